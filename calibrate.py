@@ -1,0 +1,12 @@
+"""Prune blocks of a causal LM and calibrate Linear Residual Adapters in closed form.
+
+    python calibrate.py --config configs/smollm2_reverse_star.yaml --output_dir outputs/smollm2_rs
+    python calibrate.py --config configs/tiny.yaml --output_dir /tmp/t --trainer.devices 2 \
+        --trainer.strategy ddp --trainer.accelerator cpu
+    python calibrate.py --config configs/tiny.yaml --print_config
+"""
+
+from shift_lightning.cli import calibrate_main
+
+if __name__ == "__main__":
+    calibrate_main()

@@ -1,0 +1,75 @@
+"""Command-line front ends (jsonargparse): typed dataclass configs are the documentation.
+
+Every entry point accepts ``--config file.yaml`` (any number, later wins), dotted overrides
+(``--prune.ratio 0.25``, ``--trainer.devices 2``) and ``--print_config``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from jsonargparse import ActionConfigFile
+from lightning import Trainer
+from lightning.pytorch.cli import LightningArgumentParser
+
+from .calibration import CalibrationConfig
+from .criteria import PruneConfig
+from .data import TextDataConfig
+from .models import ModelConfig
+from .pipeline import TRAINER_DEFAULTS, default_heldout
+
+
+def setup_logging() -> None:
+    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+
+
+def add_trainer_args(parser: LightningArgumentParser, defaults: dict) -> None:
+    """``--trainer.*``: every ``lightning.Trainer`` argument, with our defaults."""
+    parser.add_class_arguments(Trainer, "trainer", instantiate=False, fail_untyped=False,
+                               skip={"callbacks", "plugins"})
+    parser.set_defaults({f"trainer.{k}": v for k, v in defaults.items()})
+
+
+def trainer_kwargs(ns) -> dict:
+    kw = {k: v for k, v in vars(ns).items() if not k.startswith("__")}
+    return {k: v for k, v in kw.items() if v is not None or k in TRAINER_DEFAULTS}
+
+
+def calibrate_parser() -> LightningArgumentParser:
+    p = LightningArgumentParser(description="Depth-prune a causal LM and calibrate Linear Residual Adapters "
+                                "in closed form.", default_env=False)
+    p.add_argument("--config", action=ActionConfigFile, help="YAML config file(s)")
+    p.add_class_arguments(ModelConfig, "model", help="Where the model comes from")
+    p.add_class_arguments(TextDataConfig, "data", help="Calibration text")
+    p.add_class_arguments(TextDataConfig, "heldout", help="Held-out text for per-site errors")
+    p.set_defaults({f"heldout.{k}": v for k, v in vars(default_heldout()).items()})
+    p.add_class_arguments(PruneConfig, "prune", help="Which blocks to remove")
+    p.add_class_arguments(CalibrationConfig, "calibration", help="How adapters are fitted")
+    add_trainer_args(p, TRAINER_DEFAULTS)
+    p.add_argument("--output_dir", type=str, required=True, help="Folder for the corrected model and report")
+    p.add_argument("--overwrite", type=bool, default=False, help="Replace an existing output folder")
+    p.add_argument("--save_model", type=bool, default=True, help="Save the corrected model (not only the report)")
+    return p
+
+
+def calibrate_main(argv: list[str] | None = None) -> dict:
+    from .pipeline import run_calibration
+
+    setup_logging()
+    parser = calibrate_parser()
+    cfg = parser.parse_args(argv)
+    init = parser.instantiate_classes(cfg)
+    report = run_calibration(
+        model=init.model, data=init.data, heldout=init.heldout, prune=init.prune,
+        calibration=init.calibration, trainer=trainer_kwargs(cfg.trainer),
+        output_dir=cfg.output_dir, overwrite=cfg.overwrite, save_model=cfg.save_model,
+    )
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        from .pipeline import report_markdown
+
+        sys.stdout.write(report_markdown({k: v for k, v in report.items() if not k.startswith("_")}))
+    return report

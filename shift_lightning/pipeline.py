@@ -1,0 +1,213 @@
+"""The calibration pipeline: config → model + data → criterion → calibration → surgery → artefacts.
+
+:func:`run_calibration` is what ``calibrate.py`` calls; it can also be used from Python::
+
+    from shift_lightning.pipeline import run_calibration
+    report = run_calibration(model=ModelConfig(...), prune=PruneConfig(ratio=0.25), output_dir="out")
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import torch
+
+from . import dist
+from .calibration import CalibrationConfig, CalibrationModule
+from .criteria import CRITERIA, CriterionError, PruneConfig, Selection, num_to_remove, select_blocks
+from .data import DataError, TextDataConfig, build_windows
+from .models import ModelConfig, decoder_layers, load_model, num_params
+from .surgery import attach_adapters, remove_blocks, save_pretrained
+
+log = logging.getLogger(__name__)
+
+#: Trainer settings the calibration pass relies on (the user's --trainer.* overrides the rest).
+TRAINER_DEFAULTS: dict[str, Any] = dict(
+    accelerator="auto", devices=1, inference_mode=False, logger=False, enable_checkpointing=False,
+    use_distributed_sampler=False, enable_model_summary=False,
+)
+
+
+def default_heldout() -> TextDataConfig:
+    return TextDataConfig(split="heldout", num_samples=16)
+
+
+class OutputExistsError(FileExistsError):
+    pass
+
+
+def check_output_dir(output_dir: str | None, overwrite: bool) -> None:
+    """Refuse to write into an existing non-empty folder unless ``overwrite``."""
+    if output_dir is None:
+        return
+    p = Path(output_dir)
+    if p.exists() and (not p.is_dir() or any(p.iterdir())) and not overwrite:
+        raise OutputExistsError(f"Output folder {p} already exists and is not empty; pass --overwrite to replace it "
+                                "or choose another --output_dir.")
+
+
+def publish_dir(output_dir: str | Path, write: Callable[[Path], None]) -> Path:
+    """Write into a temporary sibling folder, then swap it in, so a crash never leaves half a result
+    and an old result is only removed once the new one is complete."""
+    out = Path(output_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def check_early(prune: PruneConfig, data: TextDataConfig, calibration: CalibrationConfig) -> None:
+    """Cheap validation before any model is loaded."""
+    if prune.layers is None:
+        if prune.criterion not in CRITERIA:
+            raise CriterionError(f"Unknown criterion {prune.criterion!r}; valid choices: {', '.join(CRITERIA)}")
+        num_to_remove(10_000, prune.ratio)  # range check only
+    elif any((not isinstance(i, int)) or i < 0 for i in prune.layers):
+        raise CriterionError(f"--prune.layers must be non-negative block indices, got {prune.layers}")
+    src = data.source
+    if src not in ("wiki_summaries", "wiki-summaries") and not src.startswith("hf:") and not Path(src).expanduser().exists():
+        raise DataError(f"Calibration data not found: {src}. Use --data.source wiki_summaries, an existing "
+                        ".txt/.json/.jsonl file or folder, or hf:<dataset>[:<config>].")
+    if calibration.damping <= 0:
+        raise ValueError(f"--calibration.damping must be > 0, got {calibration.damping}")
+
+
+def make_trainer_factory(trainer: dict | None) -> Callable[[], L.Trainer]:
+    kwargs = {**TRAINER_DEFAULTS, **(trainer or {})}
+    cache: list[L.Trainer] = []
+
+    def make() -> L.Trainer:  # one Trainer serves every pass (criteria, statistics, held-out)
+        if not cache:
+            cache.append(L.Trainer(**kwargs))
+        return cache[0]
+
+    return make
+
+
+def run_calibration(
+    model: ModelConfig | None = None,
+    data: TextDataConfig | None = None,
+    heldout: TextDataConfig | None = None,
+    prune: PruneConfig | None = None,
+    calibration: CalibrationConfig | None = None,
+    trainer: dict | None = None,
+    output_dir: str | None = None,
+    overwrite: bool = False,
+    save_model: bool = True,
+    built: tuple | None = None,
+) -> dict:
+    """Prune + calibrate; write the corrected model and ``calibration_report.json`` to ``output_dir``.
+
+    ``built=(model, tokenizer)`` injects an already loaded model (tests, notebooks). Returns the
+    report (and, under key ``"_model"``, the corrected in-memory model for callers that go on).
+    """
+    model_cfg, data = model or ModelConfig(), data or TextDataConfig()
+    heldout = heldout if heldout is not None else default_heldout()
+    prune, calibration = prune or PruneConfig(), calibration or CalibrationConfig()
+    check_output_dir(output_dir, overwrite)
+    check_early(prune, data, calibration)
+    t0 = time.time()
+
+    lm, tok = built if built is not None else load_model(model_cfg)
+    if tok is None:
+        raise ValueError("The model has no tokenizer; calibration needs one to tokenise the data")
+    n_layers = len(decoder_layers(lm))
+    mtype = lm.config.model_type
+    windows = build_windows(data, tok, mtype)
+    held = build_windows(heldout, tok, mtype) if (calibration.heldout and heldout.num_samples > 0) else None
+    make_trainer = make_trainer_factory(trainer)
+
+    selection: Selection = select_blocks(prune, lm, windows, make_trainer)
+    if not selection.layers:
+        log.warning("No block selected for removal (ratio %.3f of %d blocks)", prune.ratio, n_layers)
+    t_sel = time.time()
+
+    params_before = num_params(lm)
+    module = CalibrationModule(lm, selection.layers, calibration)
+    if selection.layers:
+        module.calibrate(make_trainer(), windows, held, batch_size=data.batch_size)
+    adapters = module.adapters_by_position() if selection.layers else {}
+    remove_blocks(lm, selection.layers)
+    attach_adapters(lm, adapters)
+    t_cal = time.time()
+
+    report = {
+        "model": model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny},
+        "model_type": mtype,
+        "original_num_layers": n_layers,
+        "pruned_layers": selection.layers,
+        "selection": selection.to_dict(),
+        "calibration": asdict(calibration),
+        "lambda_relative": calibration.damping,
+        "rank": calibration.rank,
+        "data": asdict(data),
+        "heldout_data": asdict(heldout) if held is not None else None,
+        "calibration_tokens": windows.num_tokens,
+        "heldout_tokens": held.num_tokens if held is not None else 0,
+        "world_size": dist.world_size(),
+        "sites": [{"index": s.index, "blocks": list(range(s.start, s.end)), **s.report} for s in module.sites],
+        "adapters": _adapter_table(n_layers, selection.layers, adapters),
+        "params_before": params_before,
+        "params_after": num_params(lm),
+        "seconds": {"selection": t_sel - t0, "calibration": t_cal - t_sel, "total": t_cal - t0},
+    }
+    if output_dir is not None and dist.rank() == 0:
+        spec = {"original_num_layers": n_layers, "pruned_layers": selection.layers,
+                "base_model": report["model"], "criterion": selection.criterion}
+
+        def write(tmp: Path):
+            if save_model:
+                save_pretrained(lm, tok, tmp, spec)
+            (tmp / "calibration_report.json").write_text(json.dumps(report, indent=2))
+            (tmp / "calibration_report.md").write_text(report_markdown(report))
+
+        publish_dir(output_dir, write)
+        log.info("Wrote %s", output_dir)
+    dist.barrier()
+    report["_model"], report["_tokenizer"] = lm, tok
+    return report
+
+
+def _adapter_table(n_layers: int, removed: list[int], adapters: dict) -> list[dict]:
+    from .surgery import pruned_positions
+
+    pos = pruned_positions(n_layers, removed)
+    return [{"position": p, "replaces_blocks": [i for i in removed if pos[i] == p], "params": num_params(a)}
+            for p, a in sorted(adapters.items())]
+
+
+def report_markdown(r: dict) -> str:
+    """A readable summary of a calibration report."""
+    lines = [f"# Calibration report: {r['model']}", "",
+             f"- pruned blocks ({len(r['pruned_layers'])}/{r['original_num_layers']}): {r['pruned_layers']} "
+             f"(criterion `{r['selection']['criterion']}`)",
+             f"- mode `{r['calibration']['mode']}`, granularity `{r['calibration']['granularity']}`, kind "
+             f"`{r['calibration']['kind']}`, rank {r['rank'] or 'full'}, relative damping {r['lambda_relative']:g}",
+             f"- calibration tokens {r['calibration_tokens']:,}, held-out tokens {r['heldout_tokens']:,}, "
+             f"world size {r['world_size']}",
+             f"- parameters {r['params_before']:,} → {r['params_after']:,}; {r['seconds']['total']:.1f} s", "",
+             "| site | blocks | calib rel. error | held-out rel. error | λ |", "|---|---|---|---|---|"]
+    for s in r["sites"]:
+        lines.append(f"| {s['index']} | {s['blocks']} | {s.get('calib_rel_error', float('nan')):.4f} | "
+                     f"{s.get('heldout_rel_error', float('nan')):.4f} | {s.get('lam', float('nan')):.3g} |")
+    return "\n".join(lines) + "\n"

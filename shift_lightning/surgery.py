@@ -1,0 +1,238 @@
+"""Model surgery: remove blocks, place adapters, save and reload a pruned + corrected model.
+
+After :func:`remove_blocks` the model is an ordinary, smaller HF model: ``model.model.layers``,
+``config.num_hidden_layers``, ``config.layer_types`` and every attention's ``layer_idx`` agree, so
+``forward``, ``generate()`` with a KV cache and ``save_pretrained``/``from_pretrained`` all work.
+
+Adapters live in one container, ``model.model.shift_adapters`` (an :class:`AdapterSet`), keyed by
+*position*: the adapter at position ``p`` transforms the hidden state entering pruned block ``p``
+(``p == num_hidden_layers`` means: entering the final norm). A forward pre-hook on that block (or
+on the norm) looks the adapter up by key at call time, so wrappers placed by PEFT
+(``modules_to_save``) are honoured and ``copy.deepcopy`` keeps working.
+
+Saved layout (``save_pretrained``)::
+
+    out/config.json, model.safetensors, tokenizer files   the pruned HF model (no adapter weights)
+    out/lra.safetensors                                   adapter weights, keys "<position>.<param>"
+    out/shift_config.json                                 what was pruned and where adapters sit
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .lra import AdapterSpec, LinearResidualAdapter
+from .models import decoder_layers, final_norm
+
+SHIFT_CONFIG = "shift_config.json"
+LRA_WEIGHTS = "lra.safetensors"
+FORMAT_VERSION = 1
+
+
+class SurgeryError(ValueError):
+    """Inconsistent pruning request or saved folder."""
+
+
+# --------------------------------------------------------------------------------------------
+# Removing blocks
+# --------------------------------------------------------------------------------------------
+def remove_blocks(model: nn.Module, layers: list[int]) -> list[int]:
+    """Delete decoder blocks ``layers`` (current indices) in place; return the kept original indices.
+
+    Updates ``model.model.layers``, ``config.num_hidden_layers``, ``config.layer_types`` and the
+    ``layer_idx`` of every block and its attention so the KV cache stays consistent.
+    Call before :func:`attach_adapters`.
+    """
+    blocks = decoder_layers(model)
+    n = len(blocks)
+    drop = set(layers)
+    if len(drop) != len(layers) or any(not 0 <= i < n for i in drop):
+        raise SurgeryError(f"invalid layer indices {layers} for a model with {n} blocks")
+    if len(drop) >= n:
+        raise SurgeryError(f"cannot remove all {n} blocks")
+    if getattr(model.model, "shift_adapters", None) is not None and len(model.model.shift_adapters.sites):
+        raise SurgeryError("remove blocks before attaching adapters (adapter positions would go stale)")
+    keep = [i for i in range(n) if i not in drop]
+    model.model.layers = nn.ModuleList([blocks[i] for i in keep])
+    cfg = model.config
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = [cfg.layer_types[i] for i in keep]
+    cfg.num_hidden_layers = len(keep)
+    for new_idx, block in enumerate(model.model.layers):
+        for mod in block.modules():
+            if hasattr(mod, "layer_idx"):
+                mod.layer_idx = new_idx
+    return keep
+
+
+def pruned_positions(num_layers: int, removed: list[int]) -> dict[int, int]:
+    """Map each removed original block to the pruned position where its adapter applies."""
+    rem = set(removed)
+    pos, kept_before = {}, 0
+    for i in range(num_layers):
+        if i in rem:
+            pos[i] = kept_before
+        else:
+            kept_before += 1
+    return pos
+
+
+def contiguous_spans(layers: list[int]) -> list[tuple[int, int]]:
+    """Sorted indices -> maximal runs ``[(start, end_exclusive), …]``."""
+    spans: list[tuple[int, int]] = []
+    for i in sorted(layers):
+        if spans and spans[-1][1] == i:
+            spans[-1] = (spans[-1][0], i + 1)
+        else:
+            spans.append((i, i + 1))
+    return spans
+
+
+# --------------------------------------------------------------------------------------------
+# Adapters
+# --------------------------------------------------------------------------------------------
+class AdapterSet(nn.Module):
+    """Container of the model's adapters: ``sites[str(position)]``, each a LinearResidualAdapter
+    or a chain (``nn.Sequential``) of them when merging was switched off."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites = nn.ModuleDict()
+
+    def adapter_params(self) -> list[nn.Parameter]:
+        """Every adapter parameter (what ``--recovery.train_lra`` unfreezes)."""
+        return list(self.sites.parameters())
+
+
+class _ApplyAdapter:
+    """Forward pre-hook: replace the hidden state entering a module by ``adapter(hidden)``."""
+
+    def __init__(self, container: AdapterSet, key: str):
+        self.container, self.key = container, key
+
+    def __call__(self, module, args, kwargs):
+        adapter = self.container.sites[self.key]
+        if args:
+            return (adapter(args[0]),) + tuple(args[1:]), kwargs
+        kwargs = dict(kwargs)
+        kwargs["hidden_states"] = adapter(kwargs["hidden_states"])
+        return args, kwargs
+
+
+def _hook_target(model: nn.Module, position: int) -> nn.Module:
+    blocks = decoder_layers(model)
+    if position == len(blocks):
+        return final_norm(model)
+    if not 0 <= position < len(blocks):
+        raise SurgeryError(f"adapter position {position} outside 0..{len(blocks)}")
+    return blocks[position]
+
+
+def detach_adapters(model: nn.Module) -> AdapterSet | None:
+    """Remove the adapter hooks and container; return the container (or None)."""
+    for mod in model.modules():
+        for hid, hook in list(mod._forward_pre_hooks.items()):
+            if isinstance(hook, _ApplyAdapter):
+                del mod._forward_pre_hooks[hid]
+                mod._forward_pre_hooks_with_kwargs.pop(hid, None)
+    container = getattr(model.model, "shift_adapters", None)
+    if container is not None:
+        del model.model.shift_adapters
+    return container
+
+
+def attach_adapters(model: nn.Module, adapters: dict[int, nn.Module]) -> AdapterSet:
+    """Place ``adapters`` (position -> module) into the (already pruned) model; returns the container."""
+    detach_adapters(model)
+    container = AdapterSet()
+    p = next(model.parameters())
+    for pos in sorted(adapters):
+        container.sites[str(pos)] = adapters[pos].to(device=p.device)
+    model.model.shift_adapters = container
+    for pos in sorted(adapters):
+        _hook_target(model, pos).register_forward_pre_hook(_ApplyAdapter(container, str(pos)), with_kwargs=True)
+    return container
+
+
+def adapter_set(model: nn.Module) -> AdapterSet | None:
+    return getattr(getattr(model, "model", None), "shift_adapters", None)
+
+
+# --------------------------------------------------------------------------------------------
+# Save / load
+# --------------------------------------------------------------------------------------------
+def _adapter_specs(mod: nn.Module) -> list[dict]:
+    chain = list(mod) if isinstance(mod, nn.Sequential) else [mod]
+    return [a.spec.to_dict() for a in chain]
+
+
+def save_pretrained(model: nn.Module, tokenizer, out_dir: str | Path, spec: dict) -> Path:
+    """Write the pruned HF model, the adapter weights and ``shift_config.json`` into ``out_dir``.
+
+    ``spec`` must hold ``original_num_layers`` and ``pruned_layers`` (original indices) and may
+    hold anything else worth recording (base model, criterion, …).
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    container = adapter_set(model)
+    prefix = "model.shift_adapters."
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith(prefix)}
+    model.save_pretrained(out, state_dict=state)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    adapters = []
+    tensors = {}
+    if container is not None:
+        for key, mod in container.sites.items():
+            adapters.append({"position": int(key), "chain": _adapter_specs(mod)})
+            for name, t in mod.state_dict().items():
+                tensors[f"{key}.{name}"] = t.detach().contiguous().cpu()
+    save_file(tensors, str(out / LRA_WEIGHTS), metadata={"format": "pt"})
+    doc = {"format_version": FORMAT_VERSION, **spec, "adapters": adapters}
+    (out / SHIFT_CONFIG).write_text(json.dumps(doc, indent=2))
+    return out
+
+
+def load_pretrained(path: str | Path, dtype: str | torch.dtype | None = None, device=None):
+    """Load a folder written by :func:`save_pretrained`: returns ``(model, tokenizer)`` with adapters in place.
+
+    Nothing from the folder is unpickled or executed (safetensors + JSON; no remote code).
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / SHIFT_CONFIG).exists():
+        raise SurgeryError(f"{path} is not a shift-lightning model folder (no {SHIFT_CONFIG})")
+    doc = json.loads((path / SHIFT_CONFIG).read_text())
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise SurgeryError(f"{path}: unsupported format_version {doc.get('format_version')}")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False)
+    tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+    weights = load_file(str(path / LRA_WEIGHTS))
+    pdtype = next(model.parameters()).dtype
+    adapters = {}
+    for entry in doc["adapters"]:
+        chain = [LinearResidualAdapter(AdapterSpec(**s), dtype=pdtype) for s in entry["chain"]]
+        mod = chain[0] if len(chain) == 1 else nn.Sequential(*chain)
+        key = str(entry["position"])
+        sd = {k[len(key) + 1:]: v for k, v in weights.items() if k.startswith(key + ".")}
+        mod.load_state_dict(sd, strict=True)
+        adapters[entry["position"]] = mod
+    attach_adapters(model, adapters)
+    if device is not None:
+        model.to(device)
+    model.eval()
+    return model, tok
+
+
+def read_shift_config(path: str | Path) -> dict:
+    return json.loads((Path(path) / SHIFT_CONFIG).read_text())
