@@ -23,7 +23,7 @@ import torch
 
 from . import dist
 from .calibration import CalibrationConfig, CalibrationModule
-from .criteria import CRITERIA, CriterionError, PruneConfig, Selection, num_to_remove, select_blocks
+from .criteria import CRITERIA, CriterionError, PruneConfig, Selection, check_layers, num_to_remove, select_blocks
 from .data import DataError, TextDataConfig, build_windows
 from .models import ModelConfig, decoder_layers, load_model, num_params
 from .surgery import attach_adapters, remove_blocks, save_pretrained
@@ -132,6 +132,10 @@ def run_calibration(
     if tok is None:
         raise ValueError("The model has no tokenizer; calibration needs one to tokenise the data")
     n_layers = len(decoder_layers(lm))
+    if prune.layers is not None:  # index checks need the model's depth, but not the data
+        check_layers(list(prune.layers), n_layers)
+    else:
+        num_to_remove(n_layers, prune.ratio)
     mtype = lm.config.model_type
     windows = build_windows(data, tok, mtype)
     held = build_windows(heldout, tok, mtype) if (calibration.heldout and heldout.num_samples > 0) else None

@@ -1,0 +1,253 @@
+"""CalibrationModule and the pipeline on tiny random models, against float64 references."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.testing import assert_close
+
+from shift_lightning import load_pretrained
+from shift_lightning.calibration import CalibrationConfig, CalibrationModule
+from shift_lightning.criteria import CriterionError, PruneConfig
+from shift_lightning.data import DataError, TextDataConfig, TokenWindows, build_windows
+from shift_lightning.models import ModelConfig, build_tiny_model, decoder_layers
+from shift_lightning.pipeline import OutputExistsError, run_calibration
+from shift_lightning.stats import SolveError
+from shift_lightning.surgery import attach_adapters, remove_blocks
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = str(ROOT / "tests" / "data" / "tiny_corpus.txt")
+HELDOUT = str(ROOT / "tests" / "data" / "tiny_heldout.txt")
+
+
+def _trainer():
+    return L.Trainer(accelerator="cpu", devices=1, inference_mode=False, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+
+
+def _windows(tok, n=8, seq_len=48, packing=True, source=CORPUS, seed=0):
+    return build_windows(TextDataConfig(source=source, num_samples=n, seq_len=seq_len, packing=packing, seed=seed), tok)
+
+
+def _capture(model, windows, start, end):
+    """Reference activations: (x entering block start, Δ = output of block end-1 − x) over real tokens."""
+    blocks = decoder_layers(model)
+    cur = {}
+    h1 = blocks[start].register_forward_pre_hook(lambda m, a, k: cur.__setitem__("x", a[0] if a else k["hidden_states"]),
+                                                 with_kwargs=True)
+    h2 = blocks[end - 1].register_forward_hook(lambda m, a, o: cur.__setitem__("y", o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():  # one batch holding every window
+        model(input_ids=windows.input_ids, attention_mask=windows.attention_mask, use_cache=False)
+    h1.remove(), h2.remove()
+    m = windows.attention_mask.bool()
+    return cur["x"][m].double(), (cur["y"] - cur["x"])[m].double()
+
+
+def _ridge(x, d, damping):
+    mx, md = x.mean(0), d.mean(0)
+    xc, dc = x - mx, d - md
+    S = xc.T @ xc
+    lam = damping * S.diagonal().mean()
+    W = torch.linalg.solve(S + lam * torch.eye(x.shape[1], dtype=x.dtype), xc.T @ dc).T
+    return W, md - W @ mx
+
+
+@pytest.fixture(scope="module")
+def tiny64():
+    return build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
+
+
+def test_independent_solution_equals_float64_reference(tiny64):
+    model, tok = copy.deepcopy(tiny64[0]), tiny64[1]
+    win = _windows(tok, seq_len=512, packing=False)  # padded windows: padding must be masked out
+    assert (win.attention_mask == 0).any()
+    cfg = CalibrationConfig(damping=1e-3, merge=False)
+    mod = CalibrationModule(model, [1, 3, 4], cfg)
+    mod.calibrate(_trainer(), win, batch_size=3)
+    for site in mod.sites:
+        x, d = _capture(model, win, site.start, site.end)
+        assert site.stats.num_tokens == int(win.attention_mask.sum())
+        W, b = _ridge(x, d, 1e-3)
+        assert_close(site.solution.W, W, rtol=1e-8, atol=1e-10)
+        assert_close(site.solution.b, b, rtol=1e-8, atol=1e-10)
+        ref_err = ((d - x @ W.T - b) ** 2).sum() / (d ** 2).sum()
+        assert site.report["calib_rel_error"] == pytest.approx(ref_err.item(), rel=1e-6)
+
+
+def test_padding_is_masked(tiny64):
+    """Statistics from padded batches equal those from the same sequences without padding."""
+    model, tok = tiny64
+    padded = _windows(tok, n=6, seq_len=512, packing=False)
+    lens = padded.attention_mask.sum(1)
+    mod = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig())
+    mod.calibrate(_trainer(), padded, batch_size=6)
+    G_pad = mod.sites[0].stats.G.clone()
+    G = torch.zeros_like(G_pad)
+    for i in range(len(padded)):  # one unpadded sequence at a time
+        one = TokenWindows(padded.input_ids[i:i + 1, :lens[i]], padded.attention_mask[i:i + 1, :lens[i]])
+        mod2 = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig())
+        mod2.calibrate(_trainer(), one, batch_size=1)
+        G += mod2.sites[0].stats.G
+    assert_close(G_pad, G, rtol=1e-10, atol=1e-8)
+
+
+def test_sequential_mode_sees_corrected_hidden_states(tiny64):
+    model, tok = copy.deepcopy(tiny64[0]), tiny64[1]
+    win = _windows(tok)
+    mod = CalibrationModule(model, [1, 3], CalibrationConfig(mode="sequential", damping=1e-3))
+    mod.calibrate(_trainer(), win)
+    # site 1 (block 3) must be fitted on the model where block 1 is already replaced by its adapter
+    ref = copy.deepcopy(tiny64[0])
+    remove_blocks(ref, [1])
+    attach_adapters(ref, {1: copy.deepcopy(mod.sites[0].adapter)})
+    x, d = _capture(ref, win, 2, 3)  # original block 3 is pruned-model block 2
+    W, b = _ridge(x, d, 1e-3)
+    assert_close(mod.sites[1].solution.W, W, rtol=1e-8, atol=1e-10)
+    # ... and that differs from the independent fit
+    ind = CalibrationModule(copy.deepcopy(tiny64[0]), [1, 3], CalibrationConfig(damping=1e-3))
+    ind.calibrate(_trainer(), win)
+    assert not torch.allclose(ind.sites[1].solution.W, mod.sites[1].solution.W, atol=1e-6)
+    assert_close(ind.sites[0].solution.W, mod.sites[0].solution.W)  # first site identical
+
+
+def test_merged_adapters_equal_the_chain(tiny64):
+    model, tok = tiny64
+    win = _windows(tok)
+    ids = tok("Merging must be exact.", return_tensors="pt").input_ids
+    outs = []
+    for merge in (True, False):
+        m = copy.deepcopy(model)
+        mod = CalibrationModule(m, [2, 3, 4], CalibrationConfig(merge=merge, rank=8))
+        mod.calibrate(_trainer(), win)
+        ads = mod.adapters_by_position()
+        assert list(ads) == [2]
+        remove_blocks(m, [2, 3, 4])
+        attach_adapters(m, ads)
+        with torch.no_grad():
+            outs.append(m(ids, output_hidden_states=True).hidden_states[-2])
+    assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-10)
+
+
+def test_span_granularity_fits_one_adapter_per_run(tiny64):
+    model, tok = copy.deepcopy(tiny64[0]), tiny64[1]
+    win = _windows(tok)
+    mod = CalibrationModule(model, [1, 2, 4], CalibrationConfig(granularity="span", damping=1e-3))
+    mod.calibrate(_trainer(), win)
+    assert [(s.start, s.end) for s in mod.sites] == [(1, 3), (4, 5)]
+    x, d = _capture(model, win, 1, 3)
+    W, _ = _ridge(x, d, 1e-3)
+    assert_close(mod.sites[0].solution.W, W, rtol=1e-8, atol=1e-10)
+
+
+def test_correction_reduces_error(tiny64):
+    """On held-out text, the adapter beats plain removal (Δ̂ = 0, relative error 1)."""
+    model, tok = copy.deepcopy(tiny64[0]), tiny64[1]
+    mod = CalibrationModule(model, [2, 3], CalibrationConfig())
+    mod.calibrate(_trainer(), _windows(tok, n=16), heldout=_windows(tok, source=HELDOUT))
+    for s in mod.sites:
+        assert 0 <= s.report["calib_rel_error"] < s.report["heldout_rel_error"] < 1.0
+
+
+def test_pipeline_writes_reloadable_model(tmp_path):
+    out = tmp_path / "run"
+    rep = run_calibration(
+        model=ModelConfig(tiny={"family": "qwen2"}), data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
+        heldout=TextDataConfig(source=HELDOUT, num_samples=4, seq_len=48),
+        prune=PruneConfig(ratio=0.5, criterion="reverse_star"), calibration=CalibrationConfig(rank=4),
+        trainer={"accelerator": "cpu", "enable_progress_bar": False}, output_dir=str(out))
+    saved = json.loads((out / "calibration_report.json").read_text())
+    assert saved["pruned_layers"] == [2, 3, 4] and rep["pruned_layers"] == [2, 3, 4]
+    assert saved["rank"] == 4 and saved["calibration_tokens"] == 8 * 48
+    assert all("heldout_rel_error" in s and "calib_rel_error" in s for s in saved["sites"])
+    assert saved["adapters"] == [{"position": 2, "replaces_blocks": [2, 3, 4], "params": 2 * 32 * 12 + 32}]
+    assert (out / "calibration_report.md").exists()
+    m, tok = load_pretrained(out)
+    ids = tok("Round trip", return_tensors="pt").input_ids
+    assert torch.equal(m(ids).logits, rep["_model"](ids).logits)
+    assert m.generate(ids, max_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
+    # existing output folder: refused without overwrite, replaced with it
+    kw = dict(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS, num_samples=4, seq_len=32),
+              heldout=TextDataConfig(source=HELDOUT, num_samples=0), prune=PruneConfig(layers=[1]),
+              trainer={"accelerator": "cpu", "enable_progress_bar": False}, output_dir=str(out))
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        run_calibration(**kw)
+    assert (out / "lra.safetensors").exists()  # untouched
+    run_calibration(**kw, overwrite=True)
+    assert json.loads((out / "calibration_report.json").read_text())["pruned_layers"] == [1]
+    assert not list(tmp_path.glob(".run.*"))  # no temporary folders left behind
+
+
+@pytest.mark.parametrize("prune,match", [
+    (PruneConfig(layers=[0, 9]), r"Unknown layer index \[9\].*0\.\.5"),
+    (PruneConfig(layers=list(range(6))), "Cannot prune every block"),
+    (PruneConfig(ratio=1.0), r"ratio must be in \[0, 1\)"),
+    (PruneConfig(ratio=-0.1), r"ratio must be in \[0, 1\)"),
+    (PruneConfig(criterion="nope"), "Unknown criterion 'nope'; valid choices: reverse"),
+])
+def test_bad_prune_requests_fail_early(prune, match):
+    with pytest.raises(CriterionError, match=match):
+        run_calibration(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS),
+                        prune=prune, output_dir=None)
+
+
+def test_bad_data_and_numerics(tmp_path):
+    with pytest.raises(DataError, match="not found: /no/such.txt"):
+        run_calibration(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source="/no/such.txt"))
+    # a model that produces inf: the error names the site and the fix
+    model, tok = build_tiny_model("llama")
+    with torch.no_grad():
+        decoder_layers(model)[1].mlp.down_proj.weight.fill_(float("inf"))
+    with pytest.raises(SolveError, match=r"site 0 \(blocks 1\.\.1\).*non-finite.*float32"):
+        run_calibration(built=(model, tok), data=TextDataConfig(source=CORPUS, num_samples=4, seq_len=32),
+                        heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[1, 2]),
+                        trainer={"accelerator": "cpu", "enable_progress_bar": False})
+
+
+def _cli(*args, world=1, env_extra=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env_extra or {})}
+    cmd = [sys.executable, str(ROOT / "calibrate.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
+           "--trainer.enable_progress_bar", "false", *args]
+    if world > 1:
+        cmd += ["--trainer.devices", str(world), "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["--calibration.mode", "sequential", "--calibration.rank", "8", "--prune.layers", "[1, 2, 4]"],
+])
+def test_ddp_two_processes_match_one(tmp_path, extra):
+    _cli("--output_dir", str(tmp_path / "one"), *extra)
+    _cli("--output_dir", str(tmp_path / "two"), *extra, world=2)
+    r1 = json.loads((tmp_path / "one" / "calibration_report.json").read_text())
+    r2 = json.loads((tmp_path / "two" / "calibration_report.json").read_text())
+    assert r2["world_size"] == 2 and r1["world_size"] == 1
+    assert r1["calibration_tokens"] == r2["calibration_tokens"]  # no sample counted twice (or dropped)
+    for s1, s2 in zip(r1["sites"], r2["sites"]):
+        assert s1["calib_tokens"] == s2["calib_tokens"] and s1["heldout_tokens"] == s2["heldout_tokens"]
+        assert s2["calib_rel_error"] == pytest.approx(s1["calib_rel_error"], rel=1e-6)
+    w1, w2 = load_file(str(tmp_path / "one" / "lra.safetensors")), load_file(str(tmp_path / "two" / "lra.safetensors"))
+    assert w1.keys() == w2.keys() and len(w1) > 0
+    for k in w1:
+        assert ((w1[k] - w2[k]).norm() / w1[k].norm().clamp_min(1e-12)).item() < 1e-6, k
+
+
+def test_cli_print_config_and_refuses_existing_output(tmp_path):
+    r = _cli("--output_dir", str(tmp_path / "x"), "--print_config")
+    assert "calibration:" in r.stdout and "damping:" in r.stdout and "trainer:" in r.stdout
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("precious")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "calibrate.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
+                        "--output_dir", str(tmp_path / "busy")], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "--overwrite" in r.stderr
+    assert (tmp_path / "busy" / "keep.txt").read_text() == "precious"

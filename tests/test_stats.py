@@ -1,0 +1,158 @@
+"""The closed-form solve against float64 references; reduced rank optimality; accumulation."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from shift_lightning.stats import RidgeStats, SolveError, ridge_solve
+
+
+def _data(n=600, d=12, seed=0, outliers=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    if outliers:  # massive-activation-like channel: large mean, large scale
+        x[:, 3] = 80.0 + 30.0 * x[:, 3]
+    W = 0.3 * torch.randn(d, d, generator=g, dtype=torch.float64)
+    b = torch.randn(d, generator=g, dtype=torch.float64)
+    delta = x @ W.T + b + 0.05 * torch.randn(n, d, generator=g, dtype=torch.float64)
+    return x, delta
+
+
+def _stats(x, delta, batches=5, **kw):
+    s = RidgeStats(x.shape[1], **kw)
+    for xb, db in zip(x.chunk(batches), delta.chunk(batches)):
+        s.add_batch(xb, db)
+    return s
+
+
+def _ridge_reference(x, delta, damping):
+    """Centred ridge with torch.linalg.solve in float64 (bias not penalised)."""
+    mx, md = x.mean(0), delta.mean(0)
+    xc, dc = x - mx, delta - md
+    S = xc.T @ xc
+    lam = damping * S.diagonal().mean()
+    Wt = torch.linalg.solve(S + lam * torch.eye(x.shape[1], dtype=x.dtype), xc.T @ dc)
+    W = Wt.T
+    return W, md - W @ mx
+
+
+def test_solve_matches_lstsq_without_damping():
+    x, delta = _data()
+    sol = ridge_solve(_stats(x, delta), damping=1e-12)
+    xa = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
+    B = torch.linalg.lstsq(xa, delta, driver="gelsd").solution  # (d+1, d): [Wᵀ; bᵀ]
+    assert_close(sol.W, B[:-1].T, rtol=1e-7, atol=1e-8)
+    assert_close(sol.b, B[-1], rtol=1e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("damping", [1e-4, 1e-2, 0.3])
+def test_solve_matches_ridge_reference(damping):
+    x, delta = _data(seed=1)
+    sol = ridge_solve(_stats(x, delta), damping=damping)
+    W, b = _ridge_reference(x, delta, damping)
+    assert_close(sol.W, W, rtol=1e-9, atol=1e-10)
+    assert_close(sol.b, b, rtol=1e-9, atol=1e-9)
+    assert sol.lam > 0
+
+
+def test_statistics_equal_direct_products_and_error_formula():
+    x, delta = _data(n=300, d=7, seed=2)
+    s = _stats(x, delta, batches=7)
+    xa = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
+    assert_close(s.G, xa.T @ xa)
+    assert_close(s.C, xa.T @ delta)
+    assert s.num_tokens == 300
+    W, b = 0.1 * torch.randn(7, 7, dtype=torch.float64), torch.randn(7, dtype=torch.float64)
+    direct = ((delta - x @ W.T - b) ** 2).sum() / (delta ** 2).sum()
+    assert s.relative_error(W, b) == pytest.approx(direct.item(), rel=1e-9)
+
+
+def test_full_rank_equals_rank_d():
+    x, delta = _data(seed=3)
+    s = _stats(x, delta)
+    full = ridge_solve(s, 1e-3)
+    rd = ridge_solve(s, 1e-3, rank=x.shape[1])
+    assert rd.U is None
+    assert_close(rd.W, full.W)
+
+
+def _objective(x, delta, W, b, lam):
+    """The ridge objective the solve minimises (centred data ⇒ optimal b for any W)."""
+    return ((delta - x @ W.T - b) ** 2).sum() + lam * (W ** 2).sum()
+
+
+@pytest.mark.parametrize("rank", [1, 3, 6])
+def test_reduced_rank_is_optimal(rank):
+    x, delta = _data(seed=4)
+    d = x.shape[1]
+    s = _stats(x, delta)
+    damping = 1e-3
+    sol = ridge_solve(s, damping, rank=rank)
+    assert torch.linalg.matrix_rank(sol.W).item() == rank
+    assert_close(sol.U @ sol.V.T, sol.W)
+    f_rr = _objective(x, delta, sol.W, sol.b, sol.lam)
+
+    def best_b(W):
+        return delta.mean(0) - W @ x.mean(0)
+
+    # the naive alternative: truncated SVD of the full-rank W
+    full = ridge_solve(s, damping)
+    U, S, Vh = torch.linalg.svd(full.W)
+    Wt = U[:, :rank] @ torch.diag(S[:rank]) @ Vh[:rank]
+    assert f_rr < _objective(x, delta, Wt, best_b(Wt), sol.lam)
+    # and random rank-r competitors around the optimum never do better
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        A = sol.U + 0.05 * torch.randn(d, rank, generator=g, dtype=torch.float64)
+        B = sol.V + 0.05 * torch.randn(d, rank, generator=g, dtype=torch.float64)
+        Wr = A @ B.T
+        assert f_rr <= _objective(x, delta, Wr, best_b(Wr), sol.lam) + 1e-9
+
+
+def test_affine_kind_fits_block_output():
+    x, delta = _data(seed=5)
+    s = _stats(x, delta)
+    aff = ridge_solve(s, 1e-12, kind="affine")
+    res = ridge_solve(s, 1e-12, kind="residual")
+    eye = torch.eye(x.shape[1], dtype=torch.float64)
+    assert_close(aff.W, res.W + eye, rtol=1e-6, atol=1e-6)  # without damping both are the same fit
+    Wd, bd = aff.delta_map()
+    assert_close(Wd, res.W, rtol=1e-6, atol=1e-6)
+    # with damping they differ: affine shrinks A towards 0, residual shrinks W towards 0
+    assert not torch.allclose(ridge_solve(s, 0.5, kind="affine").delta_map()[0], ridge_solve(s, 0.5).W, atol=1e-3)
+
+
+def test_float32_chunked_accumulation_is_close_to_float64():
+    x, delta = _data(n=20_000, d=16, seed=6)
+    s64 = _stats(x, delta, batches=4)
+    s32 = _stats(x.float(), delta.float(), batches=4, accum_dtype=torch.float32, chunk_tokens=2048)
+    rel = ((s32.G - s64.G).norm() / s64.G.norm()).item()
+    assert rel < 1e-6
+    W64, W32 = ridge_solve(s64, 1e-4).W, ridge_solve(s32, 1e-4).W
+    assert ((W32 - W64).norm() / W64.norm()).item() < 1e-4
+
+
+def test_shared_flat_buffer_views():
+    n = RidgeStats.numel(4)
+    flat = torch.zeros(2 * n, dtype=torch.float64)
+    a, b = RidgeStats(4, buffer=flat[:n]), RidgeStats(4, buffer=flat[n:])
+    a.add_batch(torch.ones(3, 4), torch.ones(3, 4))
+    assert flat[:n].abs().sum() > 0 and flat[n:].abs().sum() == 0
+    assert b.num_tokens == 0 and a.num_tokens == 3
+
+
+def test_errors_name_the_site_and_the_fix():
+    s = RidgeStats(4, name="site 3 (blocks 7..7)")
+    bad = torch.ones(2, 4)
+    bad[0, 1] = float("inf")
+    with pytest.raises(SolveError, match=r"site 3.*non-finite.*float32"):
+        s.add_batch(bad, torch.ones(2, 4))
+    with pytest.raises(SolveError, match="no calibration tokens"):
+        ridge_solve(s)
+    # a singular Gram with (almost) no damping: Cholesky fails -> suggest larger damping
+    x = torch.randn(50, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x[:, 1] = x[:, 0]
+    x[:, 2] = x[:, 0]
+    s.add_batch(x, x @ torch.ones(4, 4, dtype=torch.float64))
+    with pytest.raises(SolveError, match=r"site 3.*Cholesky.*--calibration.damping"):
+        ridge_solve(s, damping=1e-300)
