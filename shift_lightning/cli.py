@@ -22,6 +22,12 @@ from .pipeline import TRAINER_DEFAULTS, default_heldout
 
 
 def setup_logging() -> None:
+    """Called by the entry points only (no side effects at import)."""
+    import warnings
+
+    for msg in (".*predict returned None.*", ".*isinstance\\(treespec, LeafSpec\\).*",
+                ".*does not have many workers.*"):
+        warnings.filterwarnings("ignore", message=msg)
     rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")

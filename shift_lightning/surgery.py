@@ -162,6 +162,16 @@ def adapter_set(model: nn.Module) -> AdapterSet | None:
     return getattr(getattr(model, "model", None), "shift_adapters", None)
 
 
+def adapter_module_names(model: nn.Module) -> list[str]:
+    """Names that select exactly the adapters, e.g. for PEFT ``LoraConfig(modules_to_save=...)``.
+
+    PEFT wraps each site in a ``ModulesToSaveWrapper``; the hooks look sites up by key at call
+    time, so the trainable copy is the one used in the forward pass.
+    """
+    container = adapter_set(model)
+    return [] if container is None else [f"shift_adapters.sites.{k}" for k in container.sites.keys()]
+
+
 # --------------------------------------------------------------------------------------------
 # Save / load
 # --------------------------------------------------------------------------------------------

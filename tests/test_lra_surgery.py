@@ -167,3 +167,28 @@ def test_unsupported_architecture_is_named():
         decoder_layers(m)
     with pytest.raises(ModelLoadError, match="not found"):
         load_model(ModelConfig(name_or_path="./does/not/exist"))
+
+
+def test_peft_lora_trains_the_adapters_through_modules_to_save():
+    """The core is shaped for recovery: PEFT wraps the corrected model, the LRA copy PEFT trains is
+    the one the forward pass uses, and LoRA stays off the LRA's own linear layers."""
+    from peft import LoraConfig, get_peft_model
+
+    from shift_lightning.surgery import adapter_module_names
+
+    model, tok = build_tiny_model("llama")
+    remove_blocks(model, [2, 3])
+    attach_adapters(model, {2: _rand_adapter(seed=11, d=32).float()})
+    ids = tok("recover me", return_tensors="pt").input_ids
+    ref = model(ids).logits
+    names = adapter_module_names(model)
+    assert names == ["shift_adapters.sites.2"]
+    pm = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=names))
+    assert_close(pm(ids).logits, ref)  # LoRA B = 0 at init: same function
+    trainable = [n for n, p in pm.named_parameters() if p.requires_grad]
+    assert any("shift_adapters.sites.2.modules_to_save" in n for n in trainable)
+    assert not any("shift_adapters" in n and "lora_" in n for n in trainable)
+    pm(ids, labels=ids).loss.backward()
+    site = pm.base_model.model.model.shift_adapters.sites["2"]
+    assert site.modules_to_save["default"].linear.weight.grad.abs().sum() > 0
+    assert site.original_module.linear.weight.grad is None
