@@ -79,3 +79,49 @@ def calibrate_main(argv: list[str] | None = None) -> dict:
 
         sys.stdout.write(report_markdown({k: v for k, v in report.items() if not k.startswith("_")}))
     return report
+
+
+#: Trainer defaults for recovery (TensorBoard logs under runs/recovery).
+RECOVERY_TRAINER_DEFAULTS: dict = dict(
+    accelerator="auto", devices=1, max_steps=100, val_check_interval=50, check_val_every_n_epoch=None,
+    use_distributed_sampler=False, enable_checkpointing=False, log_every_n_steps=5, gradient_clip_val=1.0,
+    inference_mode=False,
+)
+
+
+def train_parser() -> LightningArgumentParser:
+    from .recovery import RecoveryConfig
+
+    p = LightningArgumentParser(description="Recover a pruned + corrected model with LoRA / partial-layer "
+                                "fine-tuning, optionally training the LRAs.", default_env=False)
+    p.add_argument("--config", action=ActionConfigFile, help="YAML config file(s)")
+    p.add_class_arguments(ModelConfig, "model", help="The corrected model (a calibrate.py output folder)")
+    p.add_class_arguments(TextDataConfig, "data", help="Fine-tuning text")
+    p.add_class_arguments(TextDataConfig, "val", help="Validation text (val/ppl in TensorBoard)")
+    p.set_defaults({f"val.{k}": v for k, v in vars(default_heldout()).items()})
+    p.add_class_arguments(RecoveryConfig, "recovery", help="What trains and how")
+    p.add_lightning_class_args(Trainer, "trainer")
+    p.set_defaults({f"trainer.{k}": v for k, v in RECOVERY_TRAINER_DEFAULTS.items()})
+    p.set_defaults({"trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                                       "init_args": {"save_dir": "runs", "name": "recovery"}}})
+    p.add_argument("--output_dir", type=str, required=True, help="Folder for the recovered (merged) model")
+    p.add_argument("--overwrite", type=bool, default=False, help="Replace an existing output folder")
+    return p
+
+
+def train_main(argv: list[str] | None = None) -> dict:
+    from .pipeline import check_output_dir, run_recovery
+
+    setup_logging()
+    parser = train_parser()
+    cfg = parser.parse_args(argv)
+    check_output_dir(cfg.output_dir, cfg.overwrite)  # before building anything
+    init = parser.instantiate_classes(cfg)  # instantiates logger / callbacks, not the Trainer itself
+    trainer = Trainer(**{k: v for k, v in vars(init.trainer).items() if not k.startswith("__")})
+    report = run_recovery(trainer, model=init.model, data=init.data, val=init.val, recovery=init.recovery,
+                          output_dir=cfg.output_dir, overwrite=cfg.overwrite)
+    if trainer.is_global_zero:
+        import json
+
+        sys.stdout.write(json.dumps({k: v for k, v in report.items() if not k.startswith("_")}, indent=2) + "\n")
+    return report

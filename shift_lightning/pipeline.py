@@ -215,3 +215,59 @@ def report_markdown(r: dict) -> str:
         lines.append(f"| {s['index']} | {s['blocks']} | {s.get('calib_rel_error', float('nan')):.4f} | "
                      f"{s.get('heldout_rel_error', float('nan')):.4f} | {s.get('lam', float('nan')):.3g} |")
     return "\n".join(lines) + "\n"
+
+
+def run_recovery(
+    trainer: L.Trainer,
+    model: ModelConfig | None = None,
+    data: TextDataConfig | None = None,
+    val: TextDataConfig | None = None,
+    recovery=None,
+    output_dir: str | None = None,
+    overwrite: bool = False,
+    built: tuple | None = None,
+) -> dict:
+    """Fine-tune a corrected model (LoRA / partial / LRA only) and export it merged.
+
+    ``model`` usually points at a folder written by :func:`run_calibration`. The Trainer comes
+    built (``--trainer.*``: devices, max_steps, logger = TensorBoard by default, callbacks).
+    """
+    from .recovery import RecoveryConfig, RecoveryData, RecoveryModule
+    from .surgery import read_shift_config
+
+    model_cfg, data = model or ModelConfig(), data or TextDataConfig()
+    recovery = recovery or RecoveryConfig()
+    check_output_dir(output_dir, overwrite)
+    t0 = time.time()
+    lm, tok = built if built is not None else load_model(model_cfg)
+    spec = {}
+    src = Path(model_cfg.name_or_path).expanduser()
+    if built is None and (src / "shift_config.json").exists():
+        spec = {k: v for k, v in read_shift_config(src).items() if k not in ("adapters", "format_version")}
+    mtype = lm.config.model_type
+    train_w = build_windows(data, tok, mtype)
+    val_w = build_windows(val, tok, mtype) if val is not None and val.num_samples > 0 else None
+    module = RecoveryModule(lm, recovery, spec.get("pruned_layers"), spec.get("original_num_layers"))
+    n_train = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    dm = RecoveryData(train_w, val_w, batch_size=data.batch_size, seed=data.seed)
+    if val_w is not None:
+        trainer.validate(module, datamodule=dm, verbose=False)
+    before = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    trainer.fit(module, datamodule=dm)
+    after = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    report = {
+        "model": model_cfg.name_or_path, "recovery": asdict(recovery), "trainable_params": n_train,
+        "train_tokens_per_epoch": train_w.num_tokens, "steps": trainer.global_step,
+        "metrics_before": before, "metrics_after": after, "world_size": trainer.world_size,
+        "seconds": time.time() - t0,
+    }
+    if output_dir is not None and trainer.is_global_zero:
+        def write(tmp: Path):
+            module.export(tmp, tok, {**spec, "original_num_layers": spec.get("original_num_layers"),
+                                     "pruned_layers": spec.get("pruned_layers", []), "recovered": True})
+            (tmp / "recovery_report.json").write_text(json.dumps(report, indent=2))
+
+        publish_dir(output_dir, write)
+    dist.barrier()
+    report["_module"] = module
+    return report
