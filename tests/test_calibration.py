@@ -223,7 +223,8 @@ def _cli(*args, world=1, env_extra=None):
 
 @pytest.mark.parametrize("extra", [
     [],
-    ["--calibration.mode", "sequential", "--calibration.rank", "8", "--prune.layers", "[1, 2, 4]"],
+    ["--calibration.mode", "sequential", "--calibration.rank", "8", "--prune.layers", "null",
+     "--prune.criterion", "angular", "--prune.ratio", "0.5"],  # data-driven selection under DDP too
 ])
 def test_ddp_two_processes_match_one(tmp_path, extra):
     _cli("--output_dir", str(tmp_path / "one"), *extra)
@@ -232,6 +233,7 @@ def test_ddp_two_processes_match_one(tmp_path, extra):
     r2 = json.loads((tmp_path / "two" / "calibration_report.json").read_text())
     assert r2["world_size"] == 2 and r1["world_size"] == 1
     assert r1["calibration_tokens"] == r2["calibration_tokens"]  # no sample counted twice (or dropped)
+    assert r1["pruned_layers"] == r2["pruned_layers"]
     for s1, s2 in zip(r1["sites"], r2["sites"]):
         assert s1["calib_tokens"] == s2["calib_tokens"] and s1["heldout_tokens"] == s2["heldout_tokens"]
         assert s2["calib_rel_error"] == pytest.approx(s1["calib_rel_error"], rel=1e-6)
