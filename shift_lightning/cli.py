@@ -55,6 +55,13 @@ def calibrate_parser() -> LightningArgumentParser:
     p.set_defaults({f"heldout.{k}": v for k, v in vars(default_heldout()).items()})
     p.add_class_arguments(PruneConfig, "prune", help="Which blocks to remove")
     p.add_class_arguments(CalibrationConfig, "calibration", help="How adapters are fitted")
+    from .evaluation.runner import EvalConfig
+
+    p.add_class_arguments(EvalConfig, "evaluate", help="Evaluate the corrected model afterwards "
+                          "(off unless --evaluate.tasks or --evaluate.ppl is set)")
+    p.set_defaults({"evaluate.tasks": "", "evaluate.ppl": None})
+    p.add_argument("--evaluate_baselines", type=bool, default=False,
+                   help="Also evaluate the original and the pruned model without adapters")
     add_trainer_args(p, TRAINER_DEFAULTS)
     p.add_argument("--output_dir", type=str, required=True, help="Folder for the corrected model and report")
     p.add_argument("--overwrite", type=bool, default=False, help="Replace an existing output folder")
@@ -73,6 +80,7 @@ def calibrate_main(argv: list[str] | None = None) -> dict:
         model=init.model, data=init.data, heldout=init.heldout, prune=init.prune,
         calibration=init.calibration, trainer=trainer_kwargs(cfg.trainer),
         output_dir=cfg.output_dir, overwrite=cfg.overwrite, save_model=cfg.save_model,
+        evaluate=init.evaluate, evaluate_baselines=cfg.evaluate_baselines,
     )
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         from .pipeline import report_markdown

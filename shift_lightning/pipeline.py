@@ -115,11 +115,16 @@ def run_calibration(
     overwrite: bool = False,
     save_model: bool = True,
     built: tuple | None = None,
+    evaluate=None,
+    evaluate_baselines: bool = False,
 ) -> dict:
     """Prune + calibrate; write the corrected model and ``calibration_report.json`` to ``output_dir``.
 
-    ``built=(model, tokenizer)`` injects an already loaded model (tests, notebooks). Returns the
-    report (and, under key ``"_model"``, the corrected in-memory model for callers that go on).
+    ``built=(model, tokenizer)`` injects an already loaded model (tests, notebooks).
+    ``evaluate`` (an :class:`~shift_lightning.evaluation.runner.EvalConfig` with tasks and/or
+    perplexity sets) evaluates the corrected model, and with ``evaluate_baselines`` also the
+    original and the pruned-without-adapters model, on the same Trainer (1 or N processes).
+    Returns the report (and, under key ``"_model"``, the corrected in-memory model).
     """
     model_cfg, data = model or ModelConfig(), data or TextDataConfig()
     heldout = heldout if heldout is not None else default_heldout()
@@ -145,6 +150,10 @@ def run_calibration(
     if not selection.layers:
         log.warning("No block selected for removal (ratio %.3f of %d blocks)", prune.ratio, n_layers)
     t_sel = time.time()
+    do_eval = evaluate is not None and bool(evaluate.tasks or evaluate.ppl)
+    evals: dict[str, dict] = {}
+    if do_eval and evaluate_baselines:
+        evals["original"] = _evaluate(lm, tok, evaluate, make_trainer)
 
     params_before = num_params(lm)
     module = CalibrationModule(lm, selection.layers, calibration)
@@ -152,8 +161,12 @@ def run_calibration(
         module.calibrate(make_trainer(), windows, held, batch_size=data.batch_size)
     adapters = module.adapters_by_position() if selection.layers else {}
     remove_blocks(lm, selection.layers)
-    attach_adapters(lm, adapters)
     t_cal = time.time()
+    if do_eval and evaluate_baselines:
+        evals["pruned"] = _evaluate(lm, tok, evaluate, make_trainer)
+    attach_adapters(lm, adapters)
+    if do_eval:
+        evals["pruned+lra"] = _evaluate(lm, tok, evaluate, make_trainer)
 
     report = {
         "model": model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny},
@@ -173,8 +186,10 @@ def run_calibration(
         "adapters": _adapter_table(n_layers, selection.layers, adapters),
         "params_before": params_before,
         "params_after": num_params(lm),
-        "seconds": {"selection": t_sel - t0, "calibration": t_cal - t_sel, "total": t_cal - t0},
+        "seconds": {"selection": t_sel - t0, "calibration": t_cal - t_sel, "total": time.time() - t0},
     }
+    if evals:
+        report["evaluation"] = evals
     if output_dir is not None and dist.rank() == 0:
         spec = {"original_num_layers": n_layers, "pruned_layers": selection.layers,
                 "base_model": report["model"], "criterion": selection.criterion}
@@ -190,6 +205,15 @@ def run_calibration(
     dist.barrier()
     report["_model"], report["_tokenizer"] = lm, tok
     return report
+
+
+def _evaluate(model, tokenizer, cfg, make_trainer) -> dict:
+    """Zero-shot / perplexity evaluation of an in-memory model through ``trainer.predict``."""
+    from .evaluation.runner import EvalModule
+
+    module = EvalModule(model, tokenizer, cfg)
+    make_trainer().predict(module, return_predictions=False)
+    return module.results
 
 
 def _adapter_table(n_layers: int, removed: list[int], adapters: dict) -> list[dict]:
@@ -214,7 +238,29 @@ def report_markdown(r: dict) -> str:
     for s in r["sites"]:
         lines.append(f"| {s['index']} | {s['blocks']} | {s.get('calib_rel_error', float('nan')):.4f} | "
                      f"{s.get('heldout_rel_error', float('nan')):.4f} | {s.get('lam', float('nan')):.3g} |")
+    if r.get("evaluation"):
+        lines += ["", "## Evaluation", "", *evaluation_table(r["evaluation"])]
     return "\n".join(lines) + "\n"
+
+
+def evaluation_table(evals: dict[str, dict]) -> list[str]:
+    """Markdown rows comparing variants (original / pruned / pruned+lra) on tasks and perplexity."""
+    variants = list(evals)
+    tasks = sorted({t for e in evals.values() for t in e.get("tasks", {})})
+    ppls = sorted({p for e in evals.values() for p in e.get("perplexity", {})})
+    rows = ["| metric | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
+    for t in tasks:
+        first = next(e["tasks"][t] for e in evals.values() if t in e.get("tasks", {}))
+        vals = [f"{100 * e['tasks'][t]['value']:.2f}" if t in e.get("tasks", {}) else "" for e in evals.values()]
+        rows.append(f"| {t} ({first['metric']}, n={first['n']}) | " + " | ".join(vals) + " |")
+    if tasks:
+        rows.append("| average | " + " | ".join(f"{100 * e['average']:.2f}" if e.get("average") is not None else ""
+                                             for e in evals.values()) + " |")
+    for p in ppls:
+        first = next(e["perplexity"][p] for e in evals.values() if p in e.get("perplexity", {}))
+        vals = [f"{e['perplexity'][p]['ppl']:.4g}" if p in e.get("perplexity", {}) else "" for e in evals.values()]
+        rows.append(f"| PPL {p} ({first['tokens']} tokens) | " + " | ".join(vals) + " |")
+    return rows
 
 
 def run_recovery(

@@ -253,3 +253,24 @@ def test_cli_print_config_and_refuses_existing_output(tmp_path):
                         "--output_dir", str(tmp_path / "busy")], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode != 0 and "--overwrite" in r.stderr
     assert (tmp_path / "busy" / "keep.txt").read_text() == "precious"
+
+
+def test_pipeline_evaluates_original_pruned_and_corrected(tmp_path):
+    from shift_lightning.evaluation.runner import EvalConfig, evaluate_model
+
+    ev = EvalConfig(tasks="arc_easy,piqa", data_dir=str(ROOT / "tests" / "data" / "eval_tiny"), ppl=HELDOUT,
+                    ppl_max_windows=4, ppl_seq_len=64, progress=False)
+    rep = run_calibration(model=ModelConfig(tiny={"family": "llama"}),
+                          data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
+                          heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[2, 3]),
+                          trainer={"accelerator": "cpu", "enable_progress_bar": False}, output_dir=str(tmp_path / "o"),
+                          evaluate=ev, evaluate_baselines=True)
+    evals = rep["evaluation"]
+    assert list(evals) == ["original", "pruned", "pruned+lra"]
+    fresh, tok = build_tiny_model("llama")
+    assert evals["original"]["perplexity"][HELDOUT]["ppl"] == pytest.approx(
+        evaluate_model(fresh, tok, ev)["perplexity"][HELDOUT]["ppl"], rel=1e-6)
+    assert evals["pruned+lra"]["perplexity"][HELDOUT]["ppl"] == pytest.approx(
+        evaluate_model(rep["_model"], tok, ev)["perplexity"][HELDOUT]["ppl"], rel=1e-6)
+    assert evals["pruned"]["perplexity"][HELDOUT]["ppl"] != evals["pruned+lra"]["perplexity"][HELDOUT]["ppl"]
+    assert "## Evaluation" in (tmp_path / "o" / "calibration_report.md").read_text()
