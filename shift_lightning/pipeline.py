@@ -14,12 +14,11 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
 import lightning as L
-import torch
 
 from . import dist
 from .calibration import CalibrationConfig, CalibrationModule

@@ -4,7 +4,6 @@ perplexity windows, errors, callbacks, CLI and 2-process DDP == 1 process. Tiny 
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from shift_lightning.evaluation import scoring as S
-from shift_lightning.evaluation.perplexity import Window, make_windows, window_nll
+from shift_lightning.evaluation.perplexity import make_windows, window_nll
 from shift_lightning.evaluation.runner import EvalConfig, check_tokenizer, evaluate_model
 from shift_lightning.evaluation.tasks import TASKS, TaskError, get_task, load_docs, parse_tasks
 from shift_lightning.models import build_tiny_model
