@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import time
 from pathlib import Path
 
@@ -19,24 +20,15 @@ import torch
 
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.criteria import PruneConfig, select_blocks
-from shift_lightning.data import TextDataConfig, build_windows
+from shift_lightning.data import TextDataConfig, build_windows, load_texts, wants_bos
+from shift_lightning.evaluation.perplexity import build_windows as ppl_windows, window_nll
 from shift_lightning.models import ModelConfig, load_model
 from shift_lightning.surgery import attach_adapters, remove_blocks
 
 
-@torch.no_grad()
-def window_perplexity(model, windows, batch_size: int = 4) -> float:
-    """exp(mean next-token NLL) over the real tokens of fixed windows."""
-    nll, n = 0.0, 0
-    for i in range(0, len(windows), batch_size):
-        ids = windows.input_ids[i:i + batch_size]
-        mask = windows.attention_mask[i:i + batch_size]
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
-        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-        m = mask[:, 1:].bool() & mask[:, :-1].bool()
-        nll -= lp[m].double().sum().item()
-        n += int(m.sum())
-    return float(torch.tensor(nll / n).exp())
+def window_perplexity(model, windows) -> float:
+    nll, n = window_nll(model, windows, batch_size=4)
+    return math.exp(nll / n)
 
 
 def main():
@@ -55,7 +47,9 @@ def main():
     mt = model.config.model_type
     calib = build_windows(TextDataConfig(num_samples=a.calib_samples, seq_len=a.seq_len), tok, mt)
     held_err = build_windows(TextDataConfig(split="heldout", num_samples=16, seq_len=a.seq_len, seed=1), tok, mt)
-    held_ppl = build_windows(TextDataConfig(split="heldout", num_samples=a.ppl_samples, seq_len=a.seq_len), tok, mt)
+    # the same perplexity windows as evaluate.py / calibrate.py --evaluate.ppl wiki_summaries
+    held_ppl = ppl_windows(tok, load_texts("wiki_summaries", "heldout"), a.seq_len, None, wants_bos(tok, mt),
+                           max_windows=a.ppl_samples)
     sel = select_blocks(PruneConfig(ratio=a.ratio, criterion=a.criterion), model)
     trainer = L.Trainer(accelerator="cpu", devices=1, inference_mode=False, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -88,11 +82,11 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python benchmarks/damping_sweep.py " + " ".join(f"--{k} {v}" for k, v in vars(a).items()),
             "model": a.model, "pruned_layers": sel.layers, "calibration_tokens": calib.num_tokens,
-            "ppl_tokens": held_ppl.num_tokens, "seconds": time.time() - t0, "rows": rows}
+            "ppl_tokens": sum(w.n_scored for w in held_ppl), "seconds": time.time() - t0, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
     md = [f"# Damping sweep: {a.model}, {a.criterion} {a.ratio:.0%} (blocks {sel.layers})", "",
           f"`{meta['command']}`", "",
-          f"Calibration: {calib.num_tokens:,} wiki-summaries tokens; perplexity: {held_ppl.num_tokens:,} held-out tokens.", "",
+          f"Calibration: {calib.num_tokens:,} wiki-summaries tokens; perplexity: {meta['ppl_tokens']:,} held-out tokens.", "",
           "| variant | damping | held-out PPL | mean calib rel. err | mean held-out rel. err |", "|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['variant']} | {r.get('damping', '')} | {r['ppl']:.2f} | {r.get('calib_rel_error_mean', float('nan')):.4f} "
