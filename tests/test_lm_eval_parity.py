@@ -55,16 +55,6 @@ def _write_local_tasks(root: Path) -> list[str]:
     return names
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from shift_lightning.models import ModelConfig, ModelLoadError, load_model
-
-    try:
-        return load_model(ModelConfig(name_or_path="smollm2-135m"))
-    except ModelLoadError as e:
-        pytest.skip(str(e))
-
-
 def test_parity_with_lm_eval_harness(smollm2, tmp_path):
     import numpy as np
     import torch

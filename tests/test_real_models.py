@@ -14,18 +14,9 @@ from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.criteria import PruneConfig, select_blocks
 from shift_lightning.data import TextDataConfig, build_windows, load_texts
 from shift_lightning.evaluation.perplexity import build_windows as ppl_windows, window_nll
-from shift_lightning.models import ModelConfig, ModelLoadError, load_model
 from shift_lightning.surgery import attach_adapters, remove_blocks, save_pretrained
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return load_model(ModelConfig(name_or_path="smollm2-135m"))
-    except ModelLoadError as e:
-        pytest.skip(str(e))
 
 
 def _trainer():
