@@ -6,7 +6,7 @@
     python calibrate.py --config configs/tiny.yaml --print_config
 """
 
-from shift_lightning.cli import calibrate_main
+from shift_lightning.recipes.cli import calibrate_main
 
 if __name__ == "__main__":
     calibrate_main()

@@ -10,35 +10,7 @@ name) and writes ``eval_results.json`` + ``eval_results.md`` into ``--output_dir
     python evaluate.py --config configs/eval_tiny.yaml --print_config
 """
 
-import dataclasses
-import os
-import sys
-
-from jsonargparse import ActionConfigFile
-from lightning.pytorch.cli import LightningArgumentParser
-
-from shift_lightning.cli import add_trainer_args, setup_logging, trainer_kwargs
-from shift_lightning.evaluation.runner import EVAL_TRAINER_DEFAULTS, EvalConfig, markdown_table, run_evaluation
-from shift_lightning.models import ModelConfig
-
-
-def main(argv=None) -> dict:
-    setup_logging()
-    p = LightningArgumentParser(description=__doc__.splitlines()[0], default_env=False)
-    p.add_argument("--config", action=ActionConfigFile, help="YAML config file(s)")
-    p.add_class_arguments(ModelConfig, "model", help="Which model to evaluate")
-    p.add_class_arguments(EvalConfig, None, help="What to evaluate")  # --tasks, --limit, --ppl, ...
-    add_trainer_args(p, EVAL_TRAINER_DEFAULTS)
-    p.add_argument("--output_dir", type=str, required=True, help="Folder for eval_results.json/.md")
-    p.add_argument("--overwrite", type=bool, default=False, help="Write into an existing non-empty folder")
-    cfg = p.parse_args(argv)
-    eval_cfg = EvalConfig(**{f.name: cfg[f.name] for f in dataclasses.fields(EvalConfig)})
-    res = run_evaluation(p.instantiate(cfg).model, eval_cfg, trainer_kwargs(cfg.trainer),
-                         cfg.output_dir, cfg.overwrite)
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        sys.stdout.write(markdown_table(res))
-    return res
-
+from shift_lightning.recipes.cli import evaluate_main
 
 if __name__ == "__main__":
-    main()
+    evaluate_main()

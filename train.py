@@ -5,7 +5,7 @@
     tensorboard --logdir runs
 """
 
-from shift_lightning.cli import train_main
+from shift_lightning.recipes.cli import train_main
 
 if __name__ == "__main__":
     train_main()

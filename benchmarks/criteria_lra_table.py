@@ -20,7 +20,7 @@ from shift_lightning.criteria import PruneConfig
 from shift_lightning.data import TextDataConfig
 from shift_lightning.evaluation.runner import EvalConfig
 from shift_lightning.models import ModelConfig, load_model
-from shift_lightning.pipeline import run_calibration
+from shift_lightning.recipes.calibrate import run_calibration
 
 
 def main():
@@ -47,13 +47,13 @@ def main():
                 prune=PruneConfig(layers=layers), calibration=CalibrationConfig(),
                 trainer={"accelerator": "cpu", "enable_progress_bar": False},
                 evaluate=ev, evaluate_baselines=True)
-            e = rep["evaluation"]
+            e = rep.report["evaluation"]
             seen[key] = {
                 "original": e["original"]["perplexity"]["wiki_summaries"]["ppl"],
                 "pruned": e["pruned"]["perplexity"]["wiki_summaries"]["ppl"],
                 "pruned+lra": e["pruned+lra"]["perplexity"]["wiki_summaries"]["ppl"],
-                "heldout_rel_error_mean": sum(x["heldout_rel_error"] for x in rep["sites"]) / len(rep["sites"]),
-                "adapters": len(rep["adapters"]),
+                "heldout_rel_error_mean": sum(x["heldout_rel_error"] for x in rep.report["sites"]) / len(rep.report["sites"]),
+                "adapters": len(rep.report["adapters"]),
                 "tokens": e["pruned"]["perplexity"]["wiki_summaries"]["tokens"],
             }
         rows.append({"criterion": name, "layers": layers, **seen[key]})

@@ -29,10 +29,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from shift_lightning.criteria import (CRITERIA, PruneConfig, Selection, candidates, lowest,  # noqa: E402
-                                      select_blocks)
+from shift_lightning.criteria import CRITERIA, PruneConfig, Selection, candidates, lowest  # noqa: E402
 from shift_lightning.data import TextDataConfig, build_windows  # noqa: E402
 from shift_lightning.models import ModelConfig, decoder_layers, load_model  # noqa: E402
+from shift_lightning.selection import select_blocks  # noqa: E402
 
 
 def delete_blocks(model, layers: list[int]):

@@ -25,15 +25,17 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from typing import Literal
+
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from . import dist
-from .data import RankShard, TokenWindows
+from .arch import Bypass, block_input, block_output, decoder_layers, swapped_blocks
+from .data import TokenWindows
 from .lra import AdapterSpec, LinearResidualAdapter, merge_adapters
-from .models import decoder_layers
+from .passes import DataPass
 from .stats import RidgeStats, Solution, SolveError, ridge_solve
 from .surgery import contiguous_spans, pruned_positions
 
@@ -44,12 +46,12 @@ log = logging.getLogger(__name__)
 class CalibrationConfig:
     """How adapters are fitted."""
 
-    mode: str = "independent"
+    mode: Literal["independent", "sequential"] = "independent"
     """``independent`` (one pass of the original model) or ``sequential`` (each site sees the
     corrected pruned model's hidden states; one pass per site)."""
-    granularity: str = "block"
+    granularity: Literal["block", "span"] = "block"
     """``block``: one adapter per removed block (merged afterwards); ``span``: one per contiguous run."""
-    kind: str = "residual"
+    kind: Literal["residual", "affine"] = "residual"
     """``residual`` (y = x + xWᵀ + b) or ``affine`` (ablation: y = xAᵀ + c, no identity path)."""
     rank: int | None = None
     """Adapter rank r (W = UVᵀ, 2dr + d parameters, optimal reduced-rank fit); None = full rank."""
@@ -57,7 +59,7 @@ class CalibrationConfig:
     """Relative ridge damping: λ = damping · mean(diag(XcᵀXc))."""
     merge: bool = True
     """Merge the adapters of adjacent removed blocks into one exact affine map."""
-    accum_dtype: str = "float64"
+    accum_dtype: Literal["float64", "float32"] = "float64"
     """Products of a batch in ``float64``, or ``float32`` chunks added into the float64 master."""
     heldout: bool = True
     """Also measure every site's relative residual error on the held-out windows."""
@@ -84,25 +86,6 @@ class _StopForward(Exception):
     """Raised by a hook once every captured site of the pass has its data."""
 
 
-class _Bypass(nn.Module):
-    """Stands in for a removed block during a pass: returns ``adapter(h)`` (or ``h``)."""
-
-    def __init__(self, adapter: nn.Module | None):
-        super().__init__()
-        self.adapter = adapter
-
-    def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states if self.adapter is None else self.adapter(hidden_states)
-
-
-def _hidden(args, kwargs) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]
-
-
-def _out(output) -> torch.Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
 def make_sites(removed: list[int], granularity: str) -> list[Site]:
     if granularity == "block":
         spans = [(i, i + 1) for i in sorted(removed)]
@@ -113,7 +96,7 @@ def make_sites(removed: list[int], granularity: str) -> list[Site]:
     return [Site(k, s, e) for k, (s, e) in enumerate(spans)]
 
 
-class CalibrationModule(L.LightningModule):
+class CalibrationModule(DataPass):
     """Gradient-free statistics pass(es) + distributed closed-form solve.
 
     Receives a built model (dependency injection) and the original indices of the blocks to
@@ -121,14 +104,13 @@ class CalibrationModule(L.LightningModule):
     The model itself is not pruned here (see :func:`~shift_lightning.surgery.remove_blocks`).
     """
 
+    needs_grad_mode = True  # solved adapters must not be inference tensors
+    stage = "calibration statistics"
+
     def __init__(self, model: nn.Module, removed: list[int], cfg: CalibrationConfig | None = None):
         super().__init__()
         self.model = model
         self.cfg = cfg or CalibrationConfig()
-        if self.cfg.mode not in ("independent", "sequential"):
-            raise ValueError(f"calibration.mode must be 'independent' or 'sequential', got {self.cfg.mode!r}")
-        if self.cfg.accum_dtype not in ("float64", "float32"):
-            raise ValueError(f"calibration.accum_dtype must be float64 or float32, got {self.cfg.accum_dtype!r}")
         self.removed = sorted(removed)
         self.sites = make_sites(self.removed, self.cfg.granularity)
         self.dim = model.config.hidden_size
@@ -142,19 +124,15 @@ class CalibrationModule(L.LightningModule):
     # ---------------------------------------------------------------- hooks for one pass
     def _install(self):
         blocks = decoder_layers(self.model)
-        handles, swapped = [], {}
-        for site in self._bypass:
-            for j in range(site.start, site.end):
-                swapped[j] = blocks[j]
-                blocks[j] = _Bypass(site.adapter.to(self.device) if j == site.start else None)
+        handles = []
         last_end = max(s.end for s in self._capture)
         for site in self._capture:
             def pre(mod, args, kwargs, site=site):
-                self._inputs[site.index] = _hidden(args, kwargs)
+                self._inputs[site.index] = block_input(args, kwargs)
 
             def post(mod, args, kwargs, output, site=site):
                 x = self._inputs.pop(site.index)
-                y = _out(output)
+                y = block_output(output)
                 m = self._mask
                 site.stats.add_batch(x[m], (y - x)[m])
                 if site.end == last_end:
@@ -162,34 +140,32 @@ class CalibrationModule(L.LightningModule):
 
             handles.append(blocks[site.start].register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(blocks[site.end - 1].register_forward_hook(post, with_kwargs=True))
-        return handles, swapped
+        return handles
 
-    def _uninstall(self, handles, swapped):
-        for h in handles:
-            h.remove()
-        blocks = decoder_layers(self.model)
-        for j, blk in swapped.items():
-            blocks[j] = blk
-        self._inputs.clear()
+    def _bypasses(self) -> dict[int, nn.Module]:
+        """Blocks of already solved sites, replaced by their adapters (sequential mode)."""
+        return {j: Bypass(site.adapter.to(self.device) if j == site.start else None)
+                for site in self._bypass for j in range(site.start, site.end)}
 
-    def predict_step(self, batch, batch_idx):
+    def step(self, batch, batch_idx):
         self._mask = batch["attention_mask"].bool()
-        handles, swapped = self._install()
-        try:
-            with torch.no_grad():
-                self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        except _StopForward:
-            pass
-        finally:
-            self._uninstall(handles, swapped)
-        return None
+        with swapped_blocks(self.model, self._bypasses()):
+            handles = self._install()
+            try:
+                with torch.no_grad():
+                    self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+            except _StopForward:
+                pass
+            finally:
+                for h in handles:
+                    h.remove()
+                self._inputs.clear()
 
-    def on_predict_start(self):
+    def begin(self):
         self._new_stats(self._capture, self.device)  # allocated here: the module is on its device now
 
-    def on_predict_epoch_end(self):
-        # ONE all-reduce of the flat buffer holding every captured site's statistics.
-        dist.all_reduce_flat([self._flat])
+    def state(self) -> list[torch.Tensor]:
+        return [self._flat]  # ONE flat buffer holding every captured site's statistics
 
     # ---------------------------------------------------------------- passes and solve
     def _new_stats(self, sites: list[Site], device):
@@ -202,9 +178,7 @@ class CalibrationModule(L.LightningModule):
     def _run_pass(self, trainer: L.Trainer, windows: TokenWindows, capture: list[Site], bypass: list[Site],
                   batch_size: int):
         self._capture, self._bypass = capture, bypass
-        loader = DataLoader(windows, batch_size=batch_size,
-                            sampler=RankShard(len(windows), trainer.global_rank, trainer.world_size))
-        trainer.predict(self, loader, return_predictions=False)
+        self.run(trainer, windows, batch_size)
 
     def _solve(self, sites: list[Site]):
         """Solve ``sites`` shared out among ranks (site k on rank k mod world), then broadcast."""
@@ -244,8 +218,6 @@ class CalibrationModule(L.LightningModule):
     def calibrate(self, trainer: L.Trainer, windows: TokenWindows, heldout: TokenWindows | None = None,
                   batch_size: int = 4) -> list[Site]:
         """Run the statistics pass(es) and the solve; returns the solved sites (every rank identical)."""
-        if trainer.predict_loop.inference_mode:
-            raise ValueError("CalibrationModule needs Trainer(inference_mode=False): solved adapters must stay trainable")
         t0 = time.time()
         if self.cfg.mode == "independent":
             self._run_pass(trainer, windows, self.sites, [], batch_size)

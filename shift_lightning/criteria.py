@@ -32,8 +32,9 @@ The data-driven criteria are plain scorer classes below (framework-free: forward
 * ``state()``: the list of float64 sum tensors, summed across ranks with ONE all-reduce,
 * ``finalize()``: ``(scores, details)`` from the (reduced) sums,
 
-so 1 and N processes give the same scores up to float rounding. Lightning only orchestrates the
-pass (:mod:`shift_lightning.criteria_module`, ``trainer.predict`` over rank-sharded windows).
+so 1 and N processes give the same scores up to float rounding. This module is Lightning-free:
+the pass that feeds a scorer, and :func:`~shift_lightning.selection.select_blocks`, live in
+:mod:`shift_lightning.selection`; :func:`choose` turns scores into the blocks to remove.
 """
 
 from __future__ import annotations
@@ -42,14 +43,18 @@ import contextlib
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .arch import block_hooks, decoder_layers, skip_block
+from .errors import ShiftError
+from .nll import token_nll
 
-class CriterionError(ValueError):
+
+class CriterionError(ShiftError, ValueError):
     """Bad pruning request (unknown criterion, impossible ratio, missing data, bad indices)."""
 
 
@@ -61,7 +66,8 @@ class PruneConfig:
     """Explicit original block indices to remove (overrides ratio/criterion)."""
     ratio: float = 0.25
     """Fraction of blocks to remove: ⌊ratio·L⌋ blocks. Must be in [0, 1)."""
-    criterion: str = "reverse_star"
+    criterion: Literal["reverse", "reverse_star", "random", "magnitude_l1", "magnitude_l2", "taylor", "ppl",
+                       "block_influence", "angular"] = "reverse_star"
     """Selection criterion: reverse, reverse_star, random, magnitude_l1, magnitude_l2, taylor,
     ppl, block_influence, angular (see the module docstring)."""
     seed: int = 0
@@ -71,7 +77,7 @@ class PruneConfig:
     the "+" heuristic of Taylor+/PPL+ (Kim et al. 2024 keep the first 4 and last 2 blocks)."""
     keep_last: int = 0
     """Guard: never remove the last ``keep_last`` blocks (0 = off; ``True`` means 1)."""
-    angular_tokens: str = "last"
+    angular_tokens: Literal["last", "all"] = "last"
     """``angular`` only: compare hidden states on the ``last`` non-padding token of every window
     (as published by Gromov et al.) or on ``all`` non-padding tokens."""
     batch_size: int = 4
@@ -160,8 +166,6 @@ def magnitude_scores(model: nn.Module, p: int) -> dict[int, float]:
     code ``anal_block_sensitivity_magnitude.py`` sums ``|w|^p`` over every ``*weight`` of the
     block, norms included). Blocks with the smallest importance are removed.
     """
-    from .models import decoder_layers
-
     out = {}
     with torch.no_grad():
         for i, layer in enumerate(decoder_layers(model)):
@@ -170,71 +174,8 @@ def magnitude_scores(model: nn.Module, p: int) -> dict[int, float]:
 
 
 # --------------------------------------------------------------------------------------------
-# Hooks and the LM loss
+# The LM call
 # --------------------------------------------------------------------------------------------
-def _first(x):
-    return x[0] if isinstance(x, (tuple, list)) else x
-
-
-def _with_first(out, h):
-    """``out`` with its hidden state replaced by ``h`` (blocks return a tensor or a tuple)."""
-    if isinstance(out, tuple):
-        return (h,) + out[1:]
-    if isinstance(out, list):
-        return [h] + out[1:]
-    return h
-
-
-@contextlib.contextmanager
-def block_hooks(layers: nn.ModuleList, fn: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Iterator[None]:
-    """Call ``fn(i, x_in, x_out)`` after every block ``i`` runs; ``x_in``, ``x_out``: ``(B, T, d)``
-    hidden states entering and leaving block ``i`` (pre-norm residual stream)."""
-
-    def make(i):
-        def hook(module, args, kwargs, out):
-            x_in = args[0] if args else kwargs["hidden_states"]
-            fn(i, x_in, _first(out))
-
-        return hook
-
-    handles = [layer.register_forward_hook(make(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@contextlib.contextmanager
-def skip_block(layer: nn.Module) -> Iterator[None]:
-    """Make ``layer`` an identity map: its output is replaced by its input (the block still runs)."""
-
-    def hook(module, args, kwargs, out):
-        return _with_first(out, args[0] if args else kwargs["hidden_states"])
-
-    h = layer.register_forward_hook(hook, with_kwargs=True)
-    try:
-        yield
-    finally:
-        h.remove()
-
-
-def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """Next-token NLL of every predicted position.
-
-    ``logits``: ``(B, T, V)``; ``input_ids``, ``attention_mask``: ``(B, T)``. Position ``t``
-    predicts token ``t+1``; it counts when both tokens are non-padding.
-    Returns ``(nll, valid)``: ``(B, T-1)`` NLL (computed in at least float32) and bool mask.
-    """
-    logits = logits[:, :-1]
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    labels = input_ids[:, 1:]
-    valid = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-    return nll.view(labels.shape), valid
-
-
 def _lm_kwargs(batch) -> dict:
     return dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
 
@@ -265,8 +206,6 @@ class BlockInfluence:
         self.tokens = torch.zeros(1, dtype=torch.float64, device=dev)
 
     def step(self, model: nn.Module, batch: dict) -> None:
-        from .models import decoder_layers
-
         mask = batch["attention_mask"].bool()
 
         def on_block(i, x_in, x_out):
@@ -325,8 +264,6 @@ class AngularDistance:
         return x[torch.arange(x.shape[0], device=x.device), last]
 
     def step(self, model: nn.Module, batch: dict) -> None:
-        from .models import decoder_layers
-
         mask = batch["attention_mask"].bool()
         states: list[torch.Tensor | None] = [None] * (self.L + 1)
 
@@ -379,8 +316,6 @@ class RemovalPerplexity:
         self.tokens = torch.zeros(1, dtype=torch.float64, device=dev)
 
     def step(self, model: nn.Module, batch: dict) -> None:
-        from .models import decoder_layers
-
         layers = decoder_layers(model)
         for j in range(self.L + 1):
             ctx = skip_block(layers[j - 1]) if j > 0 else contextlib.nullcontext()
@@ -430,8 +365,6 @@ class TaylorImportance:
         self.L = num_layers
 
     def setup(self, model: nn.Module) -> None:
-        from .models import decoder_layers
-
         self.params = [list(layer.parameters()) for layer in decoder_layers(model)]
         self.acc = [[torch.zeros_like(p, dtype=torch.float64) for p in ps] for ps in self.params]
         self.tokens = torch.zeros(1, dtype=torch.float64, device=self.params[0][0].device)
@@ -507,20 +440,18 @@ def best_span(distances: dict[int, float], allowed: list[int], k: int) -> int:
     return min(starts, key=lambda s: (distances[s], s))
 
 
-def select_blocks(cfg: PruneConfig, model: nn.Module, windows=None, make_trainer=None) -> Selection:
-    """Decide which original blocks of ``model`` to remove.
+@dataclass
+class Plan:
+    """What a criterion may do on a model of ``num_layers`` blocks: remove ``k`` of ``allowed``."""
 
-    ``windows`` (a :class:`~shift_lightning.data.TokenWindows`, may be padded) and
-    ``make_trainer`` (a callable returning a fresh Lightning ``Trainer`` with
-    ``inference_mode=False`` and ``use_distributed_sampler=False``; default: one process on the
-    model's device) are needed only by the data-driven criteria (``DATA_DRIVEN``). Every rank
-    returns the same selection.
-    """
-    from .models import decoder_layers
+    num_layers: int
+    k: int
+    allowed: list[int]
+    guards: dict
 
-    num_layers = len(decoder_layers(model))
-    if cfg.layers is not None:
-        return Selection(check_layers(list(cfg.layers), num_layers), "explicit")
+
+def plan_removal(cfg: PruneConfig, num_layers: int) -> Plan:
+    """Validate ``cfg`` against the model depth: criterion name, ratio, guards."""
     if cfg.criterion not in CRITERIA:
         raise CriterionError(f"Unknown criterion {cfg.criterion!r}; valid choices: {', '.join(CRITERIA)}")
     k = num_to_remove(num_layers, cfg.ratio)
@@ -529,19 +460,28 @@ def select_blocks(cfg: PruneConfig, model: nn.Module, windows=None, make_trainer
         raise CriterionError(
             f"Cannot remove {k} of {num_layers} blocks with guards keep_first={cfg.keep_first}, "
             f"keep_last={cfg.keep_last} ({len(allowed)} candidates)")
-    guards = {"k": k, "keep_first": int(cfg.keep_first), "keep_last": int(cfg.keep_last)}
+    return Plan(num_layers, k, allowed, {"k": k, "keep_first": int(cfg.keep_first), "keep_last": int(cfg.keep_last)})
 
+
+def select_static(cfg: PruneConfig, model: nn.Module) -> Selection | None:
+    """The selection of explicit layers and of data-free criteria; ``None`` for a data-driven one."""
+    num_layers = len(decoder_layers(model))
+    if cfg.layers is not None:
+        return Selection(check_layers(list(cfg.layers), num_layers), "explicit")
+    plan = plan_removal(cfg, num_layers)
     if cfg.criterion in POSITIONAL:
-        layers = POSITIONAL[cfg.criterion](num_layers, k, cfg)
+        layers = POSITIONAL[cfg.criterion](num_layers, plan.k, cfg)
         details = {"seed": cfg.seed} if cfg.criterion == "random" else {}
-        return Selection(sorted(layers), cfg.criterion, None, {**guards, **details})
-
+        return Selection(sorted(layers), cfg.criterion, None, {**plan.guards, **details})
     if cfg.criterion in WEIGHT_BASED:
         scores = WEIGHT_BASED[cfg.criterion](model)
-        return Selection(lowest(scores, allowed, k), cfg.criterion, scores, guards)
+        return Selection(lowest(scores, plan.allowed, plan.k), cfg.criterion, scores, plan.guards)
+    return None
 
-    # Data-driven criteria.
-    if windows is None or len(windows) == 0:
+
+def check_data_request(cfg: PruneConfig, num_windows: int) -> None:
+    """Errors of a data-driven request that can be found before any pass."""
+    if num_windows == 0:
         raise CriterionError(
             f"Criterion {cfg.criterion!r} scores blocks on calibration data, but no data is configured: "
             "set --data.source (e.g. wiki_summaries), --data.num_samples and --data.seq_len, or choose a "
@@ -550,16 +490,12 @@ def select_blocks(cfg: PruneConfig, model: nn.Module, windows=None, make_trainer
         raise CriterionError(f"--prune.angular_tokens must be 'last' or 'all', got {cfg.angular_tokens!r}")
     if cfg.batch_size < 1:
         raise CriterionError(f"--prune.batch_size must be >= 1, got {cfg.batch_size}")
-    if k == 0:
-        return Selection([], cfg.criterion, None, {**guards, "note": "ratio removes no block; nothing scored"})
 
-    from .criteria_module import run_scorer
 
-    scorer = make_scorer(cfg.criterion, num_layers, k, cfg)
-    run_scorer(scorer, model, windows, cfg.batch_size, make_trainer)
-    scores, details = scorer.finalize()
-    details = {**guards, "windows": len(windows), **details}
+def choose(cfg: PruneConfig, plan: Plan, scores: dict[int, float], details: dict) -> Selection:
+    """Blocks to remove from a data-driven scorer's (reduced) scores."""
+    details = {**plan.guards, **details}
     if cfg.criterion == "angular":
-        start = best_span(scores, allowed, k)
-        return Selection(list(range(start, start + k)), cfg.criterion, scores, details)
-    return Selection(lowest(scores, allowed, k), cfg.criterion, scores, details)
+        start = best_span(scores, plan.allowed, plan.k)
+        return Selection(list(range(start, start + plan.k)), cfg.criterion, scores, details)
+    return Selection(lowest(scores, plan.allowed, plan.k), cfg.criterion, scores, details)

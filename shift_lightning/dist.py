@@ -48,3 +48,16 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int) -> None:
 def barrier() -> None:
     if is_dist():
         tdist.barrier()
+
+
+def launch_rank() -> int:
+    """This process's global rank, also before ``torch.distributed`` is initialised (launchers such as
+    Lightning's DDP, torchrun and SLURM set ``RANK`` / ``LOCAL_RANK`` / ``SLURM_PROCID``)."""
+    if is_dist():
+        return rank()
+    import os
+
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0

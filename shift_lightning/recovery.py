@@ -20,14 +20,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from .arch import decoder_layers
 from .data import RankShard, TokenWindows
-from .models import decoder_layers
+from .errors import ConfigError
+from .nll import token_nll
 from .surgery import adapter_module_names, adapter_set, pruned_positions, save_pretrained
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -37,7 +40,7 @@ DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 class RecoveryConfig:
     """What is fine-tuned after calibration, and how."""
 
-    method: str = "lora"
+    method: Literal["lora", "partial", "lra"] = "lora"
     """``lora`` (PEFT LoRA), ``partial`` (whole blocks) or ``lra`` (only the adapters)."""
     train_lra: bool = False
     """Also train the Linear Residual Adapters (initialised at their closed-form solution)."""
@@ -69,12 +72,12 @@ class RecoveryModule(L.LightningModule):
         super().__init__()
         self.cfg = cfg = cfg or RecoveryConfig()
         if cfg.method not in ("lora", "partial", "lra"):
-            raise ValueError(f"recovery.method must be 'lora', 'partial' or 'lra', got {cfg.method!r}")
+            raise ConfigError(f"recovery.method must be 'lora', 'partial' or 'lra', got {cfg.method!r}")
         if cfg.method == "lra" and adapter_set(model) is None:
-            raise ValueError("recovery.method='lra' needs a model with adapters (a calibrated folder)")
+            raise ConfigError("recovery.method='lra' needs a model with adapters (a calibrated folder)")
         self.train_lra = cfg.train_lra or cfg.method == "lra"
         if self.train_lra and adapter_set(model) is None:
-            raise ValueError("recovery.train_lra needs a model with adapters (a calibrated folder)")
+            raise ConfigError("recovery.train_lra needs a model with adapters (a calibrated folder)")
         self.pruned_layers, self.original_num_layers = pruned_layers or [], original_num_layers
         self.model = self._wrap(model)
         from torchmetrics import SumMetric
@@ -100,12 +103,12 @@ class RecoveryModule(L.LightningModule):
             chosen = cfg.partial_blocks
             if chosen is None:
                 if not self.pruned_layers or self.original_num_layers is None:
-                    raise ValueError("recovery.partial_blocks is required when the pruning sites are unknown")
+                    raise ConfigError("recovery.partial_blocks is required when the pruning sites are unknown")
                 pos = pruned_positions(self.original_num_layers, self.pruned_layers)
                 chosen = sorted({min(p, len(blocks) - 1) for p in pos.values()})
             bad = [i for i in chosen if not 0 <= i < len(blocks)]
             if bad:
-                raise ValueError(f"recovery.partial_blocks {bad} outside 0..{len(blocks) - 1}")
+                raise ConfigError(f"recovery.partial_blocks {bad} outside 0..{len(blocks) - 1}")
             self.partial_blocks = chosen
             for i in chosen:
                 for p in blocks[i].parameters():
@@ -134,7 +137,7 @@ class RecoveryModule(L.LightningModule):
             groups.append({"params": self.lra_parameters(), "weight_decay": 0.0, "lr": self.cfg.lra_lr or self.cfg.lr})
         groups = [g for g in groups if g["params"]]
         if not groups:
-            raise ValueError("Nothing to train: check recovery.method / target_modules / train_lra")
+            raise ConfigError("Nothing to train: check recovery.method / target_modules / train_lra")
         opt = torch.optim.AdamW(groups)
         total = max(int(self.trainer.max_steps or 0), 1) if self.trainer.max_steps and self.trainer.max_steps > 0 else None
         warm = self.cfg.warmup_steps
@@ -151,13 +154,13 @@ class RecoveryModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ---------------------------------------------------------------- steps
+    def on_train_start(self) -> None:
+        self.model.train()  # loaded models come in eval mode; LoRA dropout must be active while training
+
     def _nll(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-        tgt = ids[:, 1:]
-        valid = (mask[:, 1:] * mask[:, :-1]).bool()
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
-                                                reduction="none").view_as(tgt)
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        nll, valid = token_nll(logits.float(), ids, mask)
         return (nll * valid).sum(), valid.sum()
 
     def training_step(self, batch, batch_idx):

@@ -28,8 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import ShiftError
 
-class SolveError(RuntimeError):
+
+class SolveError(ShiftError, RuntimeError):
     """Calibration statistics are unusable (non-finite, empty) or the system is not positive definite."""
 
 

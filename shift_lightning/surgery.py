@@ -25,15 +25,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .arch import block_input, decoder_layers, final_norm, with_block_input
+from .errors import ShiftError
 from .lra import AdapterSpec, LinearResidualAdapter
-from .models import decoder_layers, final_norm
 
 SHIFT_CONFIG = "shift_config.json"
 LRA_WEIGHTS = "lra.safetensors"
 FORMAT_VERSION = 1
 
 
-class SurgeryError(ValueError):
+class SurgeryError(ShiftError, ValueError):
     """Inconsistent pruning request or saved folder."""
 
 
@@ -116,11 +117,7 @@ class _ApplyAdapter:
 
     def __call__(self, module, args, kwargs):
         adapter = self.container.sites[self.key]
-        if args:
-            return (adapter(args[0]),) + tuple(args[1:]), kwargs
-        kwargs = dict(kwargs)
-        kwargs["hidden_states"] = adapter(kwargs["hidden_states"])
-        return args, kwargs
+        return with_block_input(args, kwargs, adapter(block_input(args, kwargs)))
 
 
 def _hook_target(model: nn.Module, position: int) -> nn.Module:
@@ -209,40 +206,132 @@ def save_pretrained(model: nn.Module, tokenizer, out_dir: str | Path, spec: dict
     return out
 
 
-def load_pretrained(path: str | Path, dtype: str | torch.dtype | None = None, device=None):
-    """Load a folder written by :func:`save_pretrained`: returns ``(model, tokenizer)`` with adapters in place.
+def is_shift_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a folder written by :func:`save_pretrained`."""
+    return (Path(path).expanduser() / SHIFT_CONFIG).is_file()
 
-    Nothing from the folder is unpickled or executed (safetensors + JSON; no remote code).
+
+def _read_json(file: Path) -> dict:
+    try:
+        doc = json.loads(file.read_text())
+    except UnicodeDecodeError as e:
+        raise SurgeryError(f"{file} is not UTF-8 text ({e.reason}); the folder is damaged") from e
+    except json.JSONDecodeError as e:
+        raise SurgeryError(f"{file} is malformed JSON ({e.msg} at line {e.lineno}); the folder is damaged") from e
+    if not isinstance(doc, dict):
+        raise SurgeryError(f"{file} must hold a JSON object")
+    return doc
+
+
+def read_shift_config(path: str | Path) -> dict:
+    """``shift_config.json`` of a saved folder, checked for shape (see :func:`load_pretrained`)."""
+    file = Path(path).expanduser() / SHIFT_CONFIG
+    doc = _read_json(file)
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise SurgeryError(f"{file}: unsupported format_version {doc.get('format_version')!r} (expected {FORMAT_VERSION})")
+    n, pruned = doc.get("original_num_layers"), doc.get("pruned_layers")
+    if not isinstance(n, int) or n < 1 or not isinstance(pruned, list) \
+            or not all(isinstance(i, int) and 0 <= i < n for i in pruned) or len(set(pruned)) != len(pruned):
+        raise SurgeryError(f"{file}: original_num_layers / pruned_layers are missing or inconsistent "
+                           f"({n!r}, {pruned!r})")
+    adapters = doc.get("adapters")
+    if not isinstance(adapters, list) or not all(isinstance(a, dict) and isinstance(a.get("position"), int)
+                                                 and isinstance(a.get("chain"), list) and a["chain"]
+                                                 for a in adapters):
+        raise SurgeryError(f"{file}: 'adapters' must be a list of {{position, chain}} entries")
+    positions = [a["position"] for a in adapters]
+    if len(set(positions)) != len(positions):
+        raise SurgeryError(f"{file}: duplicate adapter positions {sorted(positions)}")
+    return doc
+
+
+def _check_against_config(path: Path, doc: dict) -> dict:
+    cfg = _read_json(path / "config.json")
+    depth = cfg.get("num_hidden_layers", cfg.get("text_config", {}).get("num_hidden_layers"))
+    dim = cfg.get("hidden_size", cfg.get("text_config", {}).get("hidden_size"))
+    expected = doc["original_num_layers"] - len(doc["pruned_layers"])
+    if depth != expected:
+        raise SurgeryError(f"{path / 'config.json'}: num_hidden_layers is {depth}, but {SHIFT_CONFIG} records "
+                           f"{doc['original_num_layers']} blocks minus {len(doc['pruned_layers'])} pruned = {expected}")
+    for a in doc["adapters"]:
+        if not 0 <= a["position"] <= expected:
+            raise SurgeryError(f"{path / SHIFT_CONFIG}: adapter position {a['position']} outside 0..{expected}")
+        for spec in a["chain"]:
+            if not isinstance(spec, dict) or spec.get("dim") != dim:
+                raise SurgeryError(f"{path / SHIFT_CONFIG}: adapter at position {a['position']} has dim "
+                                   f"{spec.get('dim') if isinstance(spec, dict) else spec!r}, the model's hidden size is {dim}")
+    return cfg
+
+
+def load_pretrained(source, dtype: str | torch.dtype | None = None, device=None):
+    """Load ``(model, tokenizer)``: a folder written by :func:`save_pretrained` with its adapters in
+    place, or, unpruned, anything :func:`~shift_lightning.models.load_model` accepts (an HF id or
+    folder, a ``.gguf``, an embedded name such as ``smollm2-135m``, or a ``ModelConfig``).
+
+    A saved folder is checked before any weight is read: ``shift_config.json`` must be well formed,
+    agree with ``config.json`` (depth, hidden size), list every adapter ``lra.safetensors`` holds
+    (no more, no fewer), without duplicate positions, and the adapter weights must be finite;
+    otherwise :class:`SurgeryError` names the file. Nothing is unpickled or executed
+    (safetensors + JSON; no remote code).
     """
-    from safetensors.torch import load_file
+    from .models import ModelConfig, load_model
+
+    cfg = source if isinstance(source, ModelConfig) else ModelConfig(name_or_path=str(source))
+    if cfg.tiny is not None or not is_shift_folder(cfg.name_or_path):
+        if dtype is not None:
+            cfg = ModelConfig(**{**cfg.__dict__, "dtype": str(dtype).replace("torch.", "")})
+        model, tok = load_model(cfg)
+        return (model.to(device) if device is not None else model), tok
+    if dtype is None and isinstance(source, ModelConfig):
+        dtype = cfg.dtype
+    return _load_shift_folder(Path(cfg.name_or_path).expanduser(), dtype, device)
+
+
+def _load_shift_folder(path: Path, dtype, device):
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path)
-    if not (path / SHIFT_CONFIG).exists():
-        raise SurgeryError(f"{path} is not a shift-lightning model folder (no {SHIFT_CONFIG})")
-    doc = json.loads((path / SHIFT_CONFIG).read_text())
-    if doc.get("format_version") != FORMAT_VERSION:
-        raise SurgeryError(f"{path}: unsupported format_version {doc.get('format_version')}")
+    doc = read_shift_config(path)
+    _check_against_config(path, doc)
+    wfile = path / LRA_WEIGHTS
+    listed = {str(a["position"]) for a in doc["adapters"]}
+    try:
+        with safe_open(str(wfile), framework="pt") as f:
+            keys = list(f.keys())
+            held = {k.split(".", 1)[0] for k in keys}
+            if held != listed:
+                raise SurgeryError(
+                    f"{wfile} holds adapters at positions {sorted(held, key=int)} but {SHIFT_CONFIG} lists "
+                    f"{sorted(listed, key=int)}: refusing to load a model whose corrections do not match its record")
+            weights = {k: f.get_tensor(k) for k in keys}
+    except SurgeryError:
+        raise
+    except Exception as e:  # missing or truncated safetensors
+        raise SurgeryError(f"Cannot read {wfile}: {e}") from e
+    bad = [k for k, t in weights.items() if not torch.isfinite(t).all()]
+    if bad:
+        raise SurgeryError(f"{wfile}: non-finite adapter weights in {bad[:3]}; the folder is damaged")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False)
     tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
-    weights = load_file(str(path / LRA_WEIGHTS))
     pdtype = next(model.parameters()).dtype
     adapters = {}
     for entry in doc["adapters"]:
-        chain = [LinearResidualAdapter(AdapterSpec(**s), dtype=pdtype) for s in entry["chain"]]
+        try:
+            chain = [LinearResidualAdapter(AdapterSpec(**s), dtype=pdtype) for s in entry["chain"]]
+        except (TypeError, ValueError) as e:
+            raise SurgeryError(f"{path / SHIFT_CONFIG}: bad adapter spec at position {entry['position']}: {e}") from e
         mod = chain[0] if len(chain) == 1 else nn.Sequential(*chain)
         key = str(entry["position"])
         sd = {k[len(key) + 1:]: v for k, v in weights.items() if k.startswith(key + ".")}
-        mod.load_state_dict(sd, strict=True)
+        try:
+            mod.load_state_dict(sd, strict=True)
+        except RuntimeError as e:
+            raise SurgeryError(f"{wfile}: adapter at position {key} does not match its spec: {e}") from e
         adapters[entry["position"]] = mod
     attach_adapters(model, adapters)
     if device is not None:
         model.to(device)
     model.eval()
     return model, tok
-
-
-def read_shift_config(path: str | Path) -> dict:
-    return json.loads((Path(path) / SHIFT_CONFIG).read_text())

@@ -12,3 +12,10 @@ def smollm2():
         return load_model(ModelConfig(name_or_path="smollm2-135m"))
     except ModelLoadError as e:
         pytest.skip(str(e))
+
+
+def pytest_configure(config):
+    """Quiet third-party tips (Lightning's "GPU available", litlogger) in the test output."""
+    from shift_lightning.recipes.cli import quiet_third_party
+
+    quiet_third_party()

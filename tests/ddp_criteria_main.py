@@ -53,7 +53,8 @@ def make_trainer_factory(devices: int):
 
 
 def compute(devices: int) -> dict:
-    from shift_lightning.criteria import PruneConfig, select_blocks
+    from shift_lightning.criteria import PruneConfig
+    from shift_lightning.selection import select_blocks
     from shift_lightning.models import build_tiny_model
 
     model, tok = build_tiny_model("llama", seed=0)

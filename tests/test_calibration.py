@@ -18,7 +18,8 @@ from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.criteria import CriterionError, PruneConfig
 from shift_lightning.data import DataError, TextDataConfig, TokenWindows, build_windows
 from shift_lightning.models import ModelConfig, build_tiny_model, decoder_layers
-from shift_lightning.pipeline import OutputExistsError, run_calibration
+from shift_lightning.outputs import OutputExistsError
+from shift_lightning.recipes.calibrate import run_calibration
 from shift_lightning.stats import SolveError
 from shift_lightning.surgery import attach_adapters, remove_blocks
 
@@ -163,14 +164,14 @@ def test_pipeline_writes_reloadable_model(tmp_path):
         prune=PruneConfig(ratio=0.5, criterion="reverse_star"), calibration=CalibrationConfig(rank=4),
         trainer={"accelerator": "cpu", "enable_progress_bar": False}, output_dir=str(out))
     saved = json.loads((out / "calibration_report.json").read_text())
-    assert saved["pruned_layers"] == [2, 3, 4] and rep["pruned_layers"] == [2, 3, 4]
+    assert saved["pruned_layers"] == [2, 3, 4] and rep.report["pruned_layers"] == [2, 3, 4]
     assert saved["rank"] == 4 and saved["calibration_tokens"] == 8 * 48
     assert all("heldout_rel_error" in s and "calib_rel_error" in s for s in saved["sites"])
     assert saved["adapters"] == [{"position": 2, "replaces_blocks": [2, 3, 4], "params": 2 * 32 * 12 + 32}]
     assert (out / "calibration_report.md").exists()
     m, tok = load_pretrained(out)
     ids = tok("Round trip", return_tensors="pt").input_ids
-    assert torch.equal(m(ids).logits, rep["_model"](ids).logits)
+    assert torch.equal(m(ids).logits, rep.model(ids).logits)
     assert m.generate(ids, max_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
     # existing output folder: refused without overwrite, replaced with it
     kw = dict(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS, num_samples=4, seq_len=32),
@@ -265,12 +266,12 @@ def test_pipeline_evaluates_original_pruned_and_corrected(tmp_path):
                           heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[2, 3]),
                           trainer={"accelerator": "cpu", "enable_progress_bar": False}, output_dir=str(tmp_path / "o"),
                           evaluate=ev, evaluate_baselines=True)
-    evals = rep["evaluation"]
+    evals = rep.report["evaluation"]
     assert list(evals) == ["original", "pruned", "pruned+lra"]
     fresh, tok = build_tiny_model("llama")
     assert evals["original"]["perplexity"][HELDOUT]["ppl"] == pytest.approx(
         evaluate_model(fresh, tok, ev)["perplexity"][HELDOUT]["ppl"], rel=1e-6)
     assert evals["pruned+lra"]["perplexity"][HELDOUT]["ppl"] == pytest.approx(
-        evaluate_model(rep["_model"], tok, ev)["perplexity"][HELDOUT]["ppl"], rel=1e-6)
+        evaluate_model(rep.model, tok, ev)["perplexity"][HELDOUT]["ppl"], rel=1e-6)
     assert evals["pruned"]["perplexity"][HELDOUT]["ppl"] != evals["pruned+lra"]["perplexity"][HELDOUT]["ppl"]
     assert "## Evaluation" in (tmp_path / "o" / "calibration_report.md").read_text()

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from shift_lightning.criteria import (CRITERIA, DATA_DRIVEN, CriterionError, PruneConfig, Selection,
-                                      candidates, select_blocks)
+                                      candidates)
+from shift_lightning.selection import select_blocks
 from shift_lightning.models import build_tiny_model, decoder_layers
 
 sys.path.insert(0, str(Path(__file__).parent))

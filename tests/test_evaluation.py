@@ -224,7 +224,7 @@ def test_window_nll_matches_direct_loss():
         x = torch.tensor([w.input_ids])
         lp = torch.log_softmax(model(x).logits[0, :-1], -1)
         tgt = x[0, 1:]
-        ref -= float(lp[-w.n_scored:].gather(-1, tgt[-w.n_scored:, None]).sum())
+        ref -= float(lp[-w.n_scored:].gather(-1, tgt[-w.n_scored:, None]).sum().detach())
     assert n == 40 and nll == pytest.approx(ref, rel=1e-10)
 
 

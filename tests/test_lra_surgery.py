@@ -104,7 +104,7 @@ def test_prune_generate_roundtrip(family, tmp_path):
     assert torch.equal(m2(**ids).logits, logits)
     assert torch.equal(m2.generate(**ids, max_new_tokens=6, do_sample=False), out_cache)
     assert t2("Hi").input_ids == tok("Hi").input_ids
-    m3, _ = load_model(ModelConfig(name_or_path=str(tmp_path)))  # the generic loader knows the format
+    m3, _ = load_pretrained(ModelConfig(name_or_path=str(tmp_path)))  # the generic loader knows the format
     assert torch.equal(m3(**ids).logits, logits)
 
 

@@ -11,7 +11,8 @@ from shift_lightning import load_pretrained
 from shift_lightning.criteria import PruneConfig
 from shift_lightning.data import TextDataConfig
 from shift_lightning.models import ModelConfig, decoder_layers
-from shift_lightning.pipeline import run_calibration, run_recovery
+from shift_lightning.recipes.calibrate import run_calibration
+from shift_lightning.recipes.train import run_recovery
 from shift_lightning.recovery import RecoveryConfig, RecoveryModule
 from shift_lightning.surgery import adapter_set
 
@@ -48,9 +49,9 @@ def test_lora_with_trainable_lra_recovers_and_exports(calibrated, tmp_path):
     rep = run_recovery(_trainer(tmp_path), model=ModelConfig(name_or_path=str(calibrated)), data=data, val=val,
                        recovery=RecoveryConfig(method="lora", train_lra=True, lora_r=4, lr=2e-3),
                        output_dir=str(tmp_path / "out"))
-    assert rep["steps"] == 10
-    assert rep["metrics_after"]["val/ppl"] < rep["metrics_before"]["val/ppl"]
-    module = rep["_module"]
+    assert rep.report["steps"] == 10
+    assert rep.report["metrics_after"]["val/ppl"] < rep.report["metrics_before"]["val/ppl"]
+    module = rep.module
     # exported folder: LoRA merged, trained LRA in place, identical logits after reload
     m2, tok = load_pretrained(tmp_path / "out")
     ids = tok("After recovery", return_tensors="pt").input_ids

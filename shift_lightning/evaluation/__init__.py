@@ -5,10 +5,10 @@ are framework-free; ``runner``/``callbacks`` orchestrate them with Lightning/tor
 """
 
 from .callbacks import Perplexity, ZeroShotAccuracy
-from .runner import EvalConfig, EvalModule, Evaluator, evaluate_model, markdown_table, write_results
+from .runner import EvalConfig, EvalModule, Evaluator, evaluate_model, markdown_table
 from .tasks import DEFAULT_TASKS, TASKS, TaskError, load_docs, parse_tasks
 
 __all__ = [
     "DEFAULT_TASKS", "TASKS", "EvalConfig", "EvalModule", "Evaluator", "Perplexity", "TaskError",
-    "ZeroShotAccuracy", "evaluate_model", "load_docs", "markdown_table", "parse_tasks", "write_results",
+    "ZeroShotAccuracy", "evaluate_model", "load_docs", "markdown_table", "parse_tasks",
 ]

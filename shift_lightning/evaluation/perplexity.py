@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from ..data import DataError, load_texts, wants_bos
-from .scoring import _accepts, _lp_dtype, _param_device
+from ..nll import token_nll
+from .scoring import _accepts, _param_device
 
 PPL_SETS = ("wiki_summaries", "lambada", "wikitext2")
 
@@ -106,10 +107,9 @@ def window_nll(model: nn.Module, windows: list[Window], batch_size: int = 4) -> 
             kw = {"logits_to_keep": k + 1} if keep else {}
             logits = model(input_ids=ids, use_cache=False, **kw).logits  # (B, k+1 or T, V)
             for b, w in enumerate(chunk):
-                n = w.n_scored
-                lp = torch.log_softmax(logits[b, -n - 1:-1].to(_lp_dtype(logits.dtype)), dim=-1)  # (n, V)
-                tgt = ids[b, -n:]
-                nll -= float(lp.gather(-1, tgt[:, None]).sum())
+                n = w.n_scored  # logits[-n-1:-1] predict the last n tokens
+                row_nll, _ = token_nll(logits[b:b + 1, -n - 1:], ids[b:b + 1, -n - 1:])
+                nll += float(row_nll.sum())
                 count += n
     return nll, count
 

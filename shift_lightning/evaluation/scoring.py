@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..arch import base_model
+
 
 # --------------------------------------------------------------------------------------------
 # Tokenisation (lm-eval TemplateLM / HFLM semantics)
@@ -205,8 +207,7 @@ def ancestor_mask(parents: Sequence[int], width: int) -> torch.Tensor:
 # Model calls
 # --------------------------------------------------------------------------------------------
 def _base(model: nn.Module) -> nn.Module:
-    getter = getattr(model, "get_base_model", None)  # PEFT
-    return getter() if callable(getter) else model
+    return base_model(model)  # PEFT-wrapped or plain
 
 
 def _accepts(model: nn.Module, name: str) -> bool:

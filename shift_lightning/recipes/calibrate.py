@@ -1,31 +1,34 @@
-"""The calibration pipeline: config → model + data → criterion → calibration → surgery → artefacts.
+"""The calibration recipe: config → model + data → selection → calibration → surgery → artefacts.
 
 :func:`run_calibration` is what ``calibrate.py`` calls; it can also be used from Python::
 
-    from shift_lightning.pipeline import run_calibration
-    report = run_calibration(model=ModelConfig(...), prune=PruneConfig(ratio=0.25), output_dir="out")
+    from shift_lightning.recipes.calibrate import run_calibration
+    result = run_calibration(model=ModelConfig(...), prune=PruneConfig(ratio=0.25), output_dir="out")
+    result.report["pruned_layers"], result.model
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import lightning as L
+from torch import nn
 
-from . import dist
-from .calibration import CalibrationConfig, CalibrationModule
-from .criteria import CRITERIA, CriterionError, PruneConfig, Selection, check_layers, num_to_remove, select_blocks
-from .data import DataError, TextDataConfig, build_windows
-from .models import ModelConfig, decoder_layers, load_model, num_params
-from .surgery import attach_adapters, remove_blocks, save_pretrained
+from .. import dist
+from ..arch import decoder_layers
+from ..calibration import CalibrationConfig, CalibrationModule
+from ..criteria import CRITERIA, CriterionError, PruneConfig, check_layers, num_to_remove
+from ..data import DataError, TextDataConfig, build_windows
+from ..errors import ConfigError
+from ..models import ModelConfig, num_params
+from ..outputs import prepare_output, publish_dir
+from ..selection import select_blocks
+from ..surgery import attach_adapters, load_pretrained, pruned_positions, remove_blocks, save_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -40,39 +43,16 @@ def default_heldout() -> TextDataConfig:
     return TextDataConfig(split="heldout", num_samples=16)
 
 
-class OutputExistsError(FileExistsError):
-    pass
+@dataclass
+class CalibrationResult:
+    """What :func:`run_calibration` returns."""
 
-
-def check_output_dir(output_dir: str | None, overwrite: bool) -> None:
-    """Refuse to write into an existing non-empty folder unless ``overwrite``."""
-    if output_dir is None:
-        return
-    p = Path(output_dir)
-    if p.exists() and (not p.is_dir() or any(p.iterdir())) and not overwrite:
-        raise OutputExistsError(f"Output folder {p} already exists and is not empty; pass --overwrite to replace it "
-                                "or choose another --output_dir.")
-
-
-def publish_dir(output_dir: str | Path, write: Callable[[Path], None]) -> Path:
-    """Write into a temporary sibling folder, then swap it in, so a crash never leaves half a result
-    and an old result is only removed once the new one is complete."""
-    out = Path(output_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        write(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.rename(out, old)
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return out
+    report: dict
+    """The calibration report (also written as ``calibration_report.json``)."""
+    model: nn.Module
+    """The pruned + corrected in-memory model."""
+    tokenizer: Any
+    output_dir: Path | None = None
 
 
 def check_early(prune: PruneConfig, data: TextDataConfig, calibration: CalibrationConfig) -> None:
@@ -88,7 +68,7 @@ def check_early(prune: PruneConfig, data: TextDataConfig, calibration: Calibrati
         raise DataError(f"Calibration data not found: {src}. Use --data.source wiki_summaries, an existing "
                         ".txt/.json/.jsonl file or folder, or hf:<dataset>[:<config>].")
     if calibration.damping <= 0:
-        raise ValueError(f"--calibration.damping must be > 0, got {calibration.damping}")
+        raise ConfigError(f"--calibration.damping must be > 0, got {calibration.damping}")
 
 
 def make_trainer_factory(trainer: dict | None) -> Callable[[], L.Trainer]:
@@ -116,25 +96,27 @@ def run_calibration(
     built: tuple | None = None,
     evaluate=None,
     evaluate_baselines: bool = False,
-) -> dict:
+    resolved_config: str | None = None,
+) -> CalibrationResult:
     """Prune + calibrate; write the corrected model and ``calibration_report.json`` to ``output_dir``.
 
     ``built=(model, tokenizer)`` injects an already loaded model (tests, notebooks).
     ``evaluate`` (an :class:`~shift_lightning.evaluation.runner.EvalConfig` with tasks and/or
     perplexity sets) evaluates the corrected model, and with ``evaluate_baselines`` also the
     original and the pruned-without-adapters model, on the same Trainer (1 or N processes).
-    Returns the report (and, under key ``"_model"``, the corrected in-memory model).
+    ``resolved_config`` (YAML text) is saved as ``config.yaml`` next to the outputs.
     """
     model_cfg, data = model or ModelConfig(), data or TextDataConfig()
     heldout = heldout if heldout is not None else default_heldout()
     prune, calibration = prune or PruneConfig(), calibration or CalibrationConfig()
-    check_output_dir(output_dir, overwrite)
+    if dist.launch_rank() == 0:
+        prepare_output(output_dir, overwrite)
     check_early(prune, data, calibration)
     t0 = time.time()
 
-    lm, tok = built if built is not None else load_model(model_cfg)
+    lm, tok = built if built is not None else load_pretrained(model_cfg)
     if tok is None:
-        raise ValueError("The model has no tokenizer; calibration needs one to tokenise the data")
+        raise ConfigError("The model has no tokenizer; calibration needs one to tokenise the data")
     n_layers = len(decoder_layers(lm))
     if prune.layers is not None:  # index checks need the model's depth, but not the data
         check_layers(list(prune.layers), n_layers)
@@ -145,7 +127,7 @@ def run_calibration(
     held = build_windows(heldout, tok, mtype) if (calibration.heldout and heldout.num_samples > 0) else None
     make_trainer = make_trainer_factory(trainer)
 
-    selection: Selection = select_blocks(prune, lm, windows, make_trainer)
+    selection = select_blocks(prune, lm, windows, make_trainer)
     if not selection.layers:
         log.warning("No block selected for removal (ratio %.3f of %d blocks)", prune.ratio, n_layers)
     t_sel = time.time()
@@ -198,26 +180,23 @@ def run_calibration(
                 save_pretrained(lm, tok, tmp, spec)
             (tmp / "calibration_report.json").write_text(json.dumps(report, indent=2))
             (tmp / "calibration_report.md").write_text(report_markdown(report))
+            if resolved_config:
+                (tmp / "config.yaml").write_text(resolved_config)
 
-        publish_dir(output_dir, write)
+        publish_dir(output_dir, write, kind="calibration", overwrite=overwrite)
         log.info("Wrote %s", output_dir)
     dist.barrier()
-    report["_model"], report["_tokenizer"] = lm, tok
-    return report
+    return CalibrationResult(report, lm, tok, Path(output_dir) if output_dir else None)
 
 
 def _evaluate(model, tokenizer, cfg, make_trainer) -> dict:
     """Zero-shot / perplexity evaluation of an in-memory model through ``trainer.predict``."""
-    from .evaluation.runner import EvalModule
+    from ..evaluation.runner import EvalModule
 
-    module = EvalModule(model, tokenizer, cfg)
-    make_trainer().predict(module, return_predictions=False)
-    return module.results
+    return EvalModule(model, tokenizer, cfg).evaluate(make_trainer())
 
 
 def _adapter_table(n_layers: int, removed: list[int], adapters: dict) -> list[dict]:
-    from .surgery import pruned_positions
-
     pos = pruned_positions(n_layers, removed)
     return [{"position": p, "replaces_blocks": [i for i in removed if pos[i] == p], "params": num_params(a)}
             for p, a in sorted(adapters.items())]
@@ -260,59 +239,3 @@ def evaluation_table(evals: dict[str, dict]) -> list[str]:
         vals = [f"{e['perplexity'][p]['ppl']:.4g}" if p in e.get("perplexity", {}) else "" for e in evals.values()]
         rows.append(f"| PPL {p} ({first['tokens']} tokens) | " + " | ".join(vals) + " |")
     return rows
-
-
-def run_recovery(
-    trainer: L.Trainer,
-    model: ModelConfig | None = None,
-    data: TextDataConfig | None = None,
-    val: TextDataConfig | None = None,
-    recovery=None,
-    output_dir: str | None = None,
-    overwrite: bool = False,
-    built: tuple | None = None,
-) -> dict:
-    """Fine-tune a corrected model (LoRA / partial / LRA only) and export it merged.
-
-    ``model`` usually points at a folder written by :func:`run_calibration`. The Trainer comes
-    built (``--trainer.*``: devices, max_steps, logger = TensorBoard by default, callbacks).
-    """
-    from .recovery import RecoveryConfig, RecoveryData, RecoveryModule
-    from .surgery import read_shift_config
-
-    model_cfg, data = model or ModelConfig(), data or TextDataConfig()
-    recovery = recovery or RecoveryConfig()
-    check_output_dir(output_dir, overwrite)
-    t0 = time.time()
-    lm, tok = built if built is not None else load_model(model_cfg)
-    spec = {}
-    src = Path(model_cfg.name_or_path).expanduser()
-    if built is None and (src / "shift_config.json").exists():
-        spec = {k: v for k, v in read_shift_config(src).items() if k not in ("adapters", "format_version")}
-    mtype = lm.config.model_type
-    train_w = build_windows(data, tok, mtype)
-    val_w = build_windows(val, tok, mtype) if val is not None and val.num_samples > 0 else None
-    module = RecoveryModule(lm, recovery, spec.get("pruned_layers"), spec.get("original_num_layers"))
-    n_train = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    dm = RecoveryData(train_w, val_w, batch_size=data.batch_size, seed=data.seed)
-    if val_w is not None:
-        trainer.validate(module, datamodule=dm, verbose=False)
-    before = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    trainer.fit(module, datamodule=dm)
-    after = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    report = {
-        "model": model_cfg.name_or_path, "recovery": asdict(recovery), "trainable_params": n_train,
-        "train_tokens_per_epoch": train_w.num_tokens, "steps": trainer.global_step,
-        "metrics_before": before, "metrics_after": after, "world_size": trainer.world_size,
-        "seconds": time.time() - t0,
-    }
-    if output_dir is not None and trainer.is_global_zero:
-        def write(tmp: Path):
-            module.export(tmp, tok, {**spec, "original_num_layers": spec.get("original_num_layers"),
-                                     "pruned_layers": spec.get("pruned_layers", []), "recovered": True})
-            (tmp / "recovery_report.json").write_text(json.dumps(report, indent=2))
-
-        publish_dir(output_dir, write)
-    dist.barrier()
-    report["_module"] = module
-    return report

@@ -1,0 +1,159 @@
+"""Output folders: checked before any compute, written atomically, never clobbering foreign files.
+
+Used by every writer (calibration, evaluation, training, benchmarks, the paper grid):
+
+* :func:`prepare_output` runs first, before a model is loaded: it refuses a path that is a file,
+  an existing non-empty folder without ``--overwrite``, and, even with ``--overwrite``, a folder
+  that this project did not write (no :data:`MARKER` file inside): we only ever replace our own
+  outputs. It checks that the parent folder is writable (read-only file systems, permissions) and
+  cleans the hidden leftovers of earlier crashed runs (``.<name>.tmp-*``, ``.<name>.old-*``),
+  restoring an old result whose replacement never arrived.
+* :func:`publish_dir` writes into a temporary sibling folder and swaps it in: with an atomic
+  exchange (``renameat2(RENAME_EXCHANGE)``) where the OS has one, otherwise two renames whose
+  interruption :func:`prepare_output` repairs on the next start. A crash never leaves half a
+  result, and an old result is only removed once the new one is complete.
+
+Folders and files follow the process umask (``tempfile.mkdtemp`` alone would make them 0700).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from .errors import ShiftError
+
+#: Written into every folder this project publishes; ``--overwrite`` replaces only such folders.
+MARKER = ".shift_lightning.json"
+
+
+class OutputError(ShiftError, OSError):
+    """The output location cannot or must not be written."""
+
+
+class OutputExistsError(OutputError, FileExistsError):
+    """The output folder exists and may not be replaced."""
+
+
+def _umask() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def is_ours(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+def _leftovers(out: Path) -> tuple[list[Path], list[Path]]:
+    if not out.parent.is_dir():
+        return [], []
+    tmps = sorted(out.parent.glob(f".{out.name}.tmp-*"))
+    olds = sorted(out.parent.glob(f".{out.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    return tmps, olds
+
+
+def recover_leftovers(out: Path) -> list[str]:
+    """Repair an interrupted swap and delete hidden leftovers of crashed runs; returns what was done."""
+    done = []
+    tmps, olds = _leftovers(out)
+    if olds and not out.exists():  # crashed between "out -> old" and "tmp -> out": put the old result back
+        os.rename(olds[-1], out)
+        done.append(f"restored {out} from {olds[-1].name}")
+        olds = olds[:-1]
+    for p in tmps + olds:
+        shutil.rmtree(p, ignore_errors=True)
+        done.append(f"removed leftover {p.name}")
+    return done
+
+
+def prepare_output(output_dir: str | Path | None, overwrite: bool = False) -> Path | None:
+    """Check ``output_dir`` before any work (see the module docstring); returns it as a Path."""
+    if output_dir is None:
+        return None
+    out = Path(output_dir).expanduser()
+    if str(output_dir).strip() in ("", ".", "..") or out.resolve() == Path.cwd().resolve() \
+            or out.resolve() == Path.home().resolve() or out.resolve() == Path(out.anchor):
+        raise OutputError(f"--output_dir {str(output_dir)!r} is not a folder of its own; name a new folder, "
+                          "e.g. --output_dir outputs/run1")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--output_dir {out} is a file, not a folder; choose another --output_dir")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.probe-"):
+            pass
+    except OSError as e:
+        raise OutputError(f"Cannot write next to {out} ({e.strerror or e}); choose a writable --output_dir") from e
+    recover_leftovers(out)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise OutputExistsError(f"Output folder {out} already exists and is not empty; pass --overwrite to "
+                                    "replace it or choose another --output_dir.")
+        if not is_ours(out):
+            raise OutputExistsError(
+                f"Output folder {out} was not written by shift-lightning (no {MARKER} inside), so --overwrite "
+                "will not replace it; choose another --output_dir or remove the folder yourself.")
+    return out
+
+
+def _renameat2_exchange(a: Path, b: Path) -> bool:
+    """Atomically exchange two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    rc = fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE)
+    return rc == 0
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    if _renameat2_exchange(tmp, out):  # tmp now holds the old result
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    os.rename(out, old)
+    os.rename(tmp, out)  # a crash before this line is repaired by recover_leftovers()
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def publish_dir(output_dir: str | Path, write: Callable[[Path], None], kind: str = "output",
+                overwrite: bool = True) -> Path:
+    """Write into a temporary sibling folder with ``write(tmp)``, add the marker, then swap it in.
+
+    ``overwrite=False`` refuses to replace an existing non-empty folder (checked again here, since
+    the world may have changed during the compute).
+    """
+    out = Path(output_dir).expanduser()
+    prepare_output(out, overwrite)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    os.chmod(tmp, 0o777 & ~_umask())
+    try:
+        write(tmp)
+        from . import __version__
+
+        (tmp / MARKER).write_text(json.dumps({"written_by": "shift-lightning", "version": __version__,
+                                              "kind": kind, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+        _swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

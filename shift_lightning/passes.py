@@ -1,0 +1,134 @@
+"""One way to run a gradient-free pass over data with Lightning: :class:`DataPass`.
+
+``CalibrationModule`` (statistics for the closed-form solve), ``CriterionScorer`` (block scores for
+selection) and ``EvalModule`` (zero-shot accuracy, perplexity) are all the same thing: visit every
+item of a dataset exactly once, spread over the ranks, add into float64 sums, and sum those sums
+across ranks once at the end. This base owns that:
+
+* the loader: items ``rank, rank + world, …`` (:class:`~shift_lightning.data.RankShard`); Lightning's
+  ``validate``/``test`` samplers pad by repeating items, which would count them twice;
+* the sum-reduce: subclasses return their float64 sums from :meth:`DataPass.state`; they are packed
+  with an item counter into ONE flat buffer and summed with ONE all-reduce through the Lightning
+  strategy (``trainer.strategy.reduce``; a no-op on one process);
+* the check that every item was seen exactly once (a Trainer built with
+  ``use_distributed_sampler=True`` would break it);
+* the inference-mode guard: a pass that makes tensors which must stay trainable (solved adapters)
+  or that needs gradients (Taylor scores) sets ``needs_grad_mode = True`` and refuses a Trainer with
+  ``inference_mode=True``.
+
+Drive it with :meth:`DataPass.run` (``trainer.predict`` under the hood).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .data import RankShard
+from .errors import ShiftError
+
+
+class PassError(ShiftError, RuntimeError):
+    """A pass was run with a Trainer it cannot work with, or did not see its data exactly once."""
+
+
+def sum_across_ranks(tensors: list[torch.Tensor], trainer: L.Trainer | None = None) -> None:
+    """Sum float64 ``tensors`` across ranks in place with ONE all-reduce of a packed flat buffer.
+
+    Through ``trainer.strategy.reduce`` when a Trainer is given, else through ``torch.distributed``
+    (both no-ops on a single process).
+    """
+    if not tensors:
+        return
+    if trainer is not None and trainer.world_size > 1:
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        flat = trainer.strategy.reduce(flat, reduce_op="sum")
+        off = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[off: off + n].view_as(t))
+            off += n
+        return
+    from . import dist
+
+    dist.all_reduce_flat(tensors)
+
+
+class DataPass(L.LightningModule):
+    """Base of every gradient-free pass (see the module docstring).
+
+    Subclasses implement :meth:`begin` (allocate float64 sums on ``self.device``), :meth:`step`
+    (consume one batch) and :meth:`state` (the sums); :meth:`finish` runs after the reduce on
+    every rank. ``self.data`` is the dataset of the current pass, ``self.batch_size`` its batch
+    size (``None``: items are already batches, e.g. evaluation work units).
+    """
+
+    needs_grad_mode: bool = False
+    """True: refuse ``Trainer(inference_mode=True)`` (results must stay trainable / need autograd)."""
+    stage: str = "pass"
+    """What the progress bar calls this pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.data: Dataset | None = None
+        self.batch_size: int | None = 1
+
+    # ---------------------------------------------------------------- to implement
+    def begin(self) -> None:
+        """Allocate this pass's sums (called on the module's device, every rank)."""
+
+    def step(self, batch, batch_idx: int) -> None:
+        raise NotImplementedError
+
+    def state(self) -> list[torch.Tensor]:
+        """float64 tensors to sum across ranks."""
+        return []
+
+    def finish(self) -> None:
+        """Called after the reduce (every rank sees the global sums)."""
+
+    # ---------------------------------------------------------------- driver
+    def run(self, trainer: L.Trainer, data: Dataset, batch_size: int | None = 1) -> "DataPass":
+        """Visit every item of ``data`` once over all ranks, then reduce and :meth:`finish`."""
+        if self.needs_grad_mode and getattr(trainer.predict_loop, "inference_mode", False):
+            raise PassError(f"The {self.stage} pass needs Trainer(inference_mode=False) "
+                            "(--trainer.inference_mode false): its results must stay trainable or need gradients.")
+        self.data, self.batch_size = data, batch_size
+        trainer.predict(self, return_predictions=False)
+        return self
+
+    def predict_dataloader(self) -> DataLoader:
+        sampler = RankShard(len(self.data), self.trainer.global_rank, self.trainer.world_size)
+        if self.batch_size is None:  # items are batches already
+            return DataLoader(self.data, sampler=sampler, batch_size=None, collate_fn=lambda x: x)
+        return DataLoader(self.data, sampler=sampler, batch_size=self.batch_size, num_workers=0)
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        if self.batch_size is None:
+            return batch  # work units build their tensors on the model's device
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_predict_start(self) -> None:
+        self._items_seen = torch.zeros(1, dtype=torch.float64, device=self.device)
+        self.begin()
+
+    def predict_step(self, batch, batch_idx):
+        self.step(batch, batch_idx)
+        self._items_seen += _count(batch)
+        return self._items_seen.new_zeros(0)  # nothing to return (None would make Lightning warn)
+
+    def on_predict_end(self) -> None:
+        sum_across_ranks(self.state() + [self._items_seen], self.trainer)
+        seen = int(round(self._items_seen.item()))
+        if seen != len(self.data):
+            raise PassError(
+                f"The {self.stage} pass saw {seen} items instead of {len(self.data)}: build the Trainer with "
+                "use_distributed_sampler=False so each item is visited on exactly one rank.")
+        self.finish()
+
+
+def _count(batch) -> int:
+    if isinstance(batch, dict) and "input_ids" in batch:
+        return int(batch["input_ids"].shape[0])
+    return 1

@@ -1,0 +1,8 @@
+"""End-to-end flows on top of the library (the library never imports this package).
+
+* :mod:`.calibrate` — config → model + data → selection → calibration → surgery → artefacts;
+* :mod:`.evaluate` — load a model, score it, write ``eval_results.{json,md}``;
+* :mod:`.train` — recovery fine-tuning of a corrected model (LoRA / partial / LRAs);
+* :mod:`.cli` — the command-line parsers, their Trainer defaults and the error handling the
+  three entry points (``calibrate.py``, ``evaluate.py``, ``train.py``) share.
+"""

@@ -1,0 +1,289 @@
+"""Command-line front ends (jsonargparse): typed dataclass configs are the documentation.
+
+Every entry point accepts ``--config file.yaml`` (any number, later wins; a bare name such as
+``--config smollm2_lora.yaml`` is also looked up in ``configs/``), dotted overrides
+(``--prune.ratio 0.25``, ``--trainer.devices 2``), ``--print_config`` and ``--help`` (every knob with
+its description and, for fixed choices, the allowed values). Boolean options work as bare flags
+(``--overwrite``) or with a value (``--overwrite false``); abbreviations are refused.
+
+Errors the user can fix (:class:`~shift_lightning.errors.ShiftError`) print one line and exit with
+status 2; ``--debug`` shows the traceback. Every run saves its fully resolved config as
+``config.yaml`` next to its outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Callable
+
+from jsonargparse import ActionConfigFile, Namespace, set_parsing_settings
+from lightning import Trainer
+from lightning.pytorch.cli import LightningArgumentParser
+
+from ..calibration import CalibrationConfig
+from ..criteria import PruneConfig
+from ..data import TextDataConfig
+from ..errors import ConfigError, ShiftError
+from ..evaluation.runner import EvalConfig
+from ..models import ModelConfig
+from .calibrate import TRAINER_DEFAULTS, default_heldout
+
+#: Where bare ``--config NAME.yaml`` names are looked up (after the current folder).
+CONFIG_DIRS = (Path.cwd() / "configs", Path(__file__).resolve().parents[2] / "configs")
+
+_QUIET = (".*predict returned None.*", ".*isinstance\\(treespec, LeafSpec\\).*", ".*does not have many workers.*",
+          ".*module\\(s\\) in eval mode at the start of training.*", ".*is_gradient_checkpointing.*",
+          ".*LeafSpec.*", ".*`tensorboardX` has been removed.*", ".*Checkpoint directory .* exists and is not empty.*",
+          ".*Total length of `DataLoader` across ranks is zero.*", ".*The number of training batches.*")
+
+
+def quiet_third_party() -> None:
+    """Silence tips and warnings that say nothing to our users (called by entry points and tests)."""
+    for msg in _QUIET:
+        warnings.filterwarnings("ignore", message=msg)
+    # rank_zero_info: "GPU available: False", "TPU available", the litlogger tip, model summaries
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                 "lightning.pytorch.accelerators.cuda", "lightning.fabric.utilities.distributed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def setup_logging() -> None:
+    """Called by the entry points only (no side effects at import)."""
+    quiet_third_party()
+    from .. import dist
+
+    level = logging.INFO if dist.launch_rank() == 0 else logging.WARNING
+    logging.basicConfig(level=level, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+
+
+# --------------------------------------------------------------------------------------------
+# Parsers
+# --------------------------------------------------------------------------------------------
+def _parser(description: str) -> LightningArgumentParser:
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    p = LightningArgumentParser(description=description, default_env=False, allow_abbrev=False)
+    p.add_argument("--config", action=ActionConfigFile,
+                   help="YAML config file(s); a bare name is also looked up in configs/")
+    return p
+
+
+def add_trainer_args(parser: LightningArgumentParser, defaults: dict) -> None:
+    """``--trainer.*``: every ``lightning.Trainer`` argument, with our defaults."""
+    parser.add_class_arguments(Trainer, "trainer", instantiate=False, fail_untyped=False,
+                               skip={"callbacks", "plugins"})
+    parser.set_defaults({f"trainer.{k}": v for k, v in defaults.items()})
+
+
+def trainer_kwargs(ns) -> dict:
+    kw = {k: v for k, v in vars(ns).items() if not k.startswith("__")}
+    return {k: v for k, v in kw.items() if v is not None or k in TRAINER_DEFAULTS}
+
+
+def _output_args(p: LightningArgumentParser, what: str) -> None:
+    p.add_argument("--output_dir", type=str, required=True, help=f"Folder for {what}")
+    p.add_argument("--overwrite", type=bool, default=False,
+                   help="Replace an existing output folder (only one this project wrote)")
+
+
+def calibrate_parser() -> LightningArgumentParser:
+    p = _parser("Depth-prune a causal LM and calibrate Linear Residual Adapters in closed form.")
+    p.add_class_arguments(ModelConfig, "model", help="Where the model comes from")
+    p.add_class_arguments(TextDataConfig, "data", help="Calibration text")
+    p.add_class_arguments(TextDataConfig, "heldout", help="Held-out text for per-site errors")
+    p.set_defaults({f"heldout.{k}": v for k, v in vars(default_heldout()).items()})
+    p.add_class_arguments(PruneConfig, "prune", help="Which blocks to remove")
+    p.add_class_arguments(CalibrationConfig, "calibration", help="How adapters are fitted")
+    p.add_class_arguments(EvalConfig, "evaluate", help="Evaluate the corrected model afterwards "
+                          "(off unless --evaluate.tasks or --evaluate.ppl is set)")
+    p.set_defaults({"evaluate.tasks": "", "evaluate.ppl": None})
+    p.add_argument("--evaluate_baselines", type=bool, default=False,
+                   help="Also evaluate the original and the pruned model without adapters")
+    add_trainer_args(p, TRAINER_DEFAULTS)
+    _output_args(p, "the corrected model and report")
+    p.add_argument("--save_model", type=bool, default=True, help="Save the corrected model (not only the report)")
+    return p
+
+
+def evaluate_parser() -> LightningArgumentParser:
+    from .evaluate import EVAL_TRAINER_DEFAULTS
+
+    p = _parser("Zero-shot (lm-evaluation-harness compatible) and perplexity evaluation of a causal LM.")
+    p.add_class_arguments(ModelConfig, "model", help="Which model to evaluate")
+    p.add_class_arguments(EvalConfig, None, help="What to evaluate")  # --tasks, --limit, --ppl, ...
+    add_trainer_args(p, EVAL_TRAINER_DEFAULTS)
+    _output_args(p, "eval_results.json/.md")
+    return p
+
+
+def train_parser() -> LightningArgumentParser:
+    from ..recovery import RecoveryConfig
+    from .train import RECOVERY_TRAINER_DEFAULTS
+
+    p = _parser("Recover a pruned + corrected model with LoRA / partial-layer fine-tuning, optionally "
+                "training the LRAs.")
+    p.add_class_arguments(ModelConfig, "model", help="The corrected model (a calibrate.py output folder)")
+    p.add_class_arguments(TextDataConfig, "data", help="Fine-tuning text")
+    p.add_class_arguments(TextDataConfig, "val", help="Validation text (val/ppl in TensorBoard)")
+    p.set_defaults({f"val.{k}": v for k, v in vars(default_heldout()).items()})
+    p.add_class_arguments(RecoveryConfig, "recovery", help="What trains and how")
+    p.add_lightning_class_args(Trainer, "trainer")
+    p.set_defaults({f"trainer.{k}": v for k, v in RECOVERY_TRAINER_DEFAULTS.items()})
+    p.set_defaults({"trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                                       "init_args": {"save_dir": "runs", "name": "recovery"}}})
+    _output_args(p, "the recovered (merged) model")
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# argv handling and errors
+# --------------------------------------------------------------------------------------------
+def find_config(name: str) -> str:
+    """``--config`` value as given if it exists, else ``configs/<name>`` (``.yaml`` optional)."""
+    if Path(name).expanduser().exists():
+        return name
+    candidates = [d / n for d in CONFIG_DIRS for n in (name, f"{name}.yaml")]
+    for c in candidates:
+        if c.is_file():
+            return str(c)
+    raise ConfigError(f"Config file {name!r} not found (also looked in {', '.join(str(d) for d in CONFIG_DIRS)}); "
+                      "see configs/ for the shipped ones")
+
+
+def _is_bool(hint) -> bool:
+    import typing
+
+    return hint is bool or (hint is not None and set(typing.get_args(hint)) == {bool, type(None)})
+
+
+_BOOL_WORDS = {"true", "false", "yes", "no", "1", "0", "on", "off", "null"}
+
+
+def preprocess_argv(argv: list[str], parser: LightningArgumentParser) -> list[str]:
+    """Resolve bare ``--config`` names and let boolean options stand as bare flags."""
+    bools = {s for a in parser._actions if _is_bool(getattr(a, "_typehint", None)) for s in a.option_strings}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config" and i + 1 < len(argv):
+            out += [a, find_config(argv[i + 1])]
+            i += 2
+            continue
+        if a.startswith("--config="):
+            out.append("--config=" + find_config(a.split("=", 1)[1]))
+        elif a in bools and (i + 1 == len(argv) or argv[i + 1].lower() not in _BOOL_WORDS):
+            out += [a, "true"]
+        else:
+            out.append(a)
+        i += 1
+    return out
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def entry(run: Callable[[list[str]], object], argv: list[str] | None = None):
+    """Run an entry point: ``--debug`` handling, project errors as one line and exit status 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return run(argv)
+    except ShiftError as e:
+        if debug:
+            raise
+        sys.stderr.write(f"error: {_one_line(e)}\n")
+        if e.__cause__ is not None and not isinstance(e.__cause__, ShiftError):
+            sys.stderr.write(f"  cause: {type(e.__cause__).__name__}: {_one_line(e.__cause__)}\n")
+        sys.stderr.write("  (run again with --debug for the traceback)\n")
+        raise SystemExit(2) from None
+
+
+def parse(parser: LightningArgumentParser, argv: list[str]) -> tuple[Namespace, str]:
+    """Parsed config and its fully resolved YAML."""
+    cfg = parser.parse_args(preprocess_argv(argv, parser))
+    try:
+        resolved = parser.dump(cfg, skip_none=False)
+    except Exception:  # e.g. objects that do not serialise; the run goes on without config.yaml
+        resolved = None
+    return cfg, resolved
+
+
+def _summary(lines: list[str]) -> None:
+    from .. import dist
+
+    if dist.launch_rank() == 0 and dist.rank() == 0:
+        sys.stdout.write("\n".join(lines) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------
+def calibrate_main(argv: list[str] | None = None):
+    def run(args):
+        from .calibrate import report_markdown, run_calibration
+
+        setup_logging()
+        parser = calibrate_parser()
+        cfg, resolved = parse(parser, args)
+        init = parser.instantiate_classes(cfg)
+        result = run_calibration(
+            model=init.model, data=init.data, heldout=init.heldout, prune=init.prune,
+            calibration=init.calibration, trainer=trainer_kwargs(cfg.trainer),
+            output_dir=cfg.output_dir, overwrite=cfg.overwrite, save_model=cfg.save_model,
+            evaluate=init.evaluate, evaluate_baselines=cfg.evaluate_baselines, resolved_config=resolved,
+        )
+        _summary([report_markdown(result.report),
+                  f"Results in {cfg.output_dir}/ (calibration_report.md, config.yaml"
+                  + (", the corrected model: shift_lightning.load_pretrained)" if cfg.save_model else ")")])
+        return result
+
+    return entry(run, argv)
+
+
+def evaluate_main(argv: list[str] | None = None):
+    def run(args):
+        import dataclasses
+
+        from ..evaluation.runner import markdown_table
+        from .evaluate import run_evaluation
+
+        setup_logging()
+        parser = evaluate_parser()
+        cfg, resolved = parse(parser, args)
+        eval_cfg = EvalConfig(**{f.name: cfg[f.name] for f in dataclasses.fields(EvalConfig)})
+        result = run_evaluation(parser.instantiate_classes(cfg).model, eval_cfg, trainer_kwargs(cfg.trainer),
+                                cfg.output_dir, cfg.overwrite, resolved_config=resolved)
+        _summary([markdown_table(result.results), f"Results in {cfg.output_dir}/ (eval_results.json, eval_results.md)"])
+        return result
+
+    return entry(run, argv)
+
+
+def train_main(argv: list[str] | None = None):
+    def run(args):
+        import json
+
+        from .train import run_recovery
+
+        setup_logging()
+        parser = train_parser()
+        cfg, resolved = parse(parser, args)
+        from .. import dist
+        from ..outputs import prepare_output
+
+        if dist.launch_rank() == 0:
+            prepare_output(cfg.output_dir, cfg.overwrite)  # before building anything
+        init = parser.instantiate_classes(cfg)  # instantiates logger / callbacks, not the Trainer itself
+        trainer = Trainer(**{k: v for k, v in vars(init.trainer).items() if not k.startswith("__")})
+        result = run_recovery(trainer, model=init.model, data=init.data, val=init.val, recovery=init.recovery,
+                              output_dir=cfg.output_dir, overwrite=cfg.overwrite, resolved_config=resolved)
+        if trainer.is_global_zero:
+            _summary([json.dumps(result.report, indent=2), f"Recovered model in {cfg.output_dir}/"])
+        return result
+
+    return entry(run, argv)

@@ -1,0 +1,89 @@
+"""Layer selection with a Lightning pass: :func:`select_blocks` and :class:`CriterionScorer`.
+
+The scoring maths lives in :mod:`shift_lightning.criteria` (framework-free scorers fed by hooks).
+:class:`CriterionScorer` runs one scorer over the calibration windows as a
+:class:`~shift_lightning.passes.DataPass`: windows sharded over ranks (each seen once), each rank
+adds its batches into the scorer's float64 sums (``scorer.step``), ONE packed all-reduce sums
+``scorer.state()`` at the end, so every rank finalises the same scores for any number of
+processes. The ``taylor`` scorer needs gradients: it calls ``torch.enable_grad()`` inside the step,
+which works because the Trainer is built with ``inference_mode=False`` (a plain ``no_grad``
+context); ``predict`` never wraps the model in ``DistributedDataParallel``, and the per-weight
+``w·grad`` sums are reduced by the same single all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import lightning as L
+import torch
+from torch import nn
+
+from . import criteria as C
+from .arch import decoder_layers
+from .data import TokenWindows
+from .passes import DataPass
+
+
+class CriterionScorer(DataPass):
+    """Run ``scorer`` (a :mod:`~shift_lightning.criteria` scorer) over windows.
+
+    ``model``: the causal LM (a submodule, so Lightning places it on the device).
+    """
+
+    stage = "criterion scores"
+
+    def __init__(self, model: nn.Module, scorer):
+        super().__init__()
+        self.model = model
+        self.scorer = scorer  # plain object: its float64 sums stay out of the module's state
+        self.needs_grad_mode = bool(scorer.needs_grad)
+
+    def begin(self) -> None:
+        self.scorer.setup(self.model)
+
+    def step(self, batch, batch_idx):
+        self.scorer.step(self.model, batch)
+
+    def state(self) -> list[torch.Tensor]:
+        return self.scorer.state()
+
+
+def default_trainer(model: nn.Module) -> L.Trainer:
+    """One process on the model's device, quiet, ``inference_mode=False`` (Taylor needs grads)."""
+    dev = next(model.parameters()).device
+    acc, devices = ("gpu", [dev.index or 0]) if dev.type == "cuda" else ("cpu", 1)
+    return L.Trainer(accelerator=acc, devices=devices, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, inference_mode=False,
+                     use_distributed_sampler=False)
+
+
+def run_scorer(scorer, model: nn.Module, windows: TokenWindows, batch_size: int,
+               make_trainer: Callable[[], L.Trainer] | None = None):
+    """Fill ``scorer``'s sums over ``windows`` (all ranks) with one ``trainer.predict`` pass."""
+    trainer = make_trainer() if make_trainer is not None else default_trainer(model)
+    CriterionScorer(model, scorer).run(trainer, windows, batch_size)
+    return scorer
+
+
+def select_blocks(cfg: C.PruneConfig, model: nn.Module, windows: TokenWindows | None = None,
+                  make_trainer: Callable[[], L.Trainer] | None = None) -> C.Selection:
+    """Decide which original blocks of ``model`` to remove.
+
+    ``windows`` (may be padded) and ``make_trainer`` (a callable returning a Lightning ``Trainer``
+    with ``inference_mode=False`` and ``use_distributed_sampler=False``; default: one process on the
+    model's device) are needed only by the data-driven criteria (``criteria.DATA_DRIVEN``). Every
+    rank returns the same selection.
+    """
+    static = C.select_static(cfg, model)
+    if static is not None:
+        return static
+    num_layers = len(decoder_layers(model))
+    plan = C.plan_removal(cfg, num_layers)
+    C.check_data_request(cfg, 0 if windows is None else len(windows))
+    if plan.k == 0:
+        return C.Selection([], cfg.criterion, None, {**plan.guards, "note": "ratio removes no block; nothing scored"})
+    scorer = C.make_scorer(cfg.criterion, num_layers, plan.k, cfg)
+    run_scorer(scorer, model, windows, cfg.batch_size, make_trainer)
+    scores, details = scorer.finalize()
+    return C.choose(cfg, plan, scores, {"windows": len(windows), **details})

@@ -1,0 +1,164 @@
+"""The package's structure: no import cycles (top level and inside functions), the library never
+imports the recipes, every shipped config parses, and the CLI's promises (choices, no abbreviations,
+bare boolean flags, bare config names, one-line errors)."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "shift_lightning"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    mods = {}
+    for f in PKG.rglob("*.py"):
+        rel = f.relative_to(ROOT).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        mods[".".join(parts)] = f
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        is_pkg = f.name == "__init__.py"
+        for node in ast.walk(ast.parse(f.read_text())):  # every import, also inside functions
+            targets = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = m.split(".") if is_pkg else m.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                targets = [target] + [f"{target}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for t in targets:
+                if t in mods and t != m and not m.startswith(t + ".") and mods[t].name != "__init__.py":
+                    edges[m].add(t)
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert _cycles(_module_graph()) == []
+
+
+def test_cycle_detector_finds_a_cycle_hidden_in_a_function():
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+
+
+def test_library_never_imports_recipes():
+    edges = _module_graph()
+    offenders = {m: sorted(t for t in ts if t.startswith("shift_lightning.recipes"))
+                 for m, ts in edges.items() if not m.startswith("shift_lightning.recipes")}
+    assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def test_framework_free_modules_do_not_import_lightning():
+    for name in ("stats", "lra", "criteria", "arch", "nll", "errors", "outputs"):
+        tree = ast.parse((PKG / f"{name}.py").read_text())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "lightning" not in imported and "pytorch_lightning" not in imported, name
+
+
+def _entry_for(config: Path):
+    from shift_lightning.recipes import cli
+
+    name = config.stem
+    if name.startswith("eval_"):
+        return cli.evaluate_parser
+    if name.endswith(("_lora", "_partial")) or "recovery" in config.read_text():
+        return cli.train_parser
+    return cli.calibrate_parser
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_parses(config, tmp_path):
+    from shift_lightning.recipes.cli import preprocess_argv
+
+    parser = _entry_for(config)()
+    argv = preprocess_argv(["--config", config.name, "--output_dir", str(tmp_path / "o")], parser)  # bare name
+    cfg = parser.parse_args(argv)
+    dumped = parser.dump(cfg, skip_none=False)
+    assert "output_dir" in dumped
+    parser.instantiate_classes(cfg)  # dataclasses and Trainer arguments are well typed
+
+
+def _calibrate(*args):
+    return subprocess.run([sys.executable, "calibrate.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_cli_refuses_typos_abbreviations_and_lists_choices(tmp_path):
+    r = _calibrate("--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"), "--calibration.mode", "sequentail")
+    assert r.returncode != 0 and "independent" in r.stderr and "sequential" in r.stderr
+    r = _calibrate("--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"), "--calibration.dampin", "0.1")
+    assert r.returncode != 0 and "dampin" in r.stderr
+    r = _calibrate("--help")
+    assert r.returncode == 0 and "{independent,sequential}" in r.stdout
+    assert "Relative ridge damping" in r.stdout  # attribute docstrings are the help text
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_bare_flags_config_names_and_one_line_errors(tmp_path):
+    from shift_lightning.recipes.cli import calibrate_parser, find_config, preprocess_argv
+
+    p = calibrate_parser()
+    assert preprocess_argv(["--overwrite", "--save_model", "false", "--calibration.merge"], p) == \
+        ["--overwrite", "true", "--save_model", "false", "--calibration.merge", "true"]
+    assert find_config("tiny.yaml") == str(ROOT / "configs" / "tiny.yaml")
+    assert find_config("tiny") == str(ROOT / "configs" / "tiny.yaml")
+    r = _calibrate("--config", "no_such_config.yaml", "--output_dir", str(tmp_path / "o"))
+    assert r.returncode == 2 and r.stderr.startswith("error: Config file 'no_such_config.yaml' not found")
+    assert "Traceback" not in r.stderr
+    r = _calibrate("--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"), "--prune.layers", "[0, 99]",
+                   "--trainer.enable_progress_bar", "false")
+    assert r.returncode == 2 and "Unknown layer index [99]" in r.stderr and "Traceback" not in r.stderr
+    r = _calibrate("--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"), "--prune.layers", "[0, 99]",
+                   "--trainer.enable_progress_bar", "false", "--debug")
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_cli_saves_resolved_config(tmp_path):
+    r = _calibrate("--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"), "--trainer.enable_progress_bar",
+                   "false", "--calibration.damping", "0.001")
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = (tmp_path / "o" / "config.yaml").read_text()
+    assert "damping: 0.001" in saved and "criterion:" in saved and "Results in" in r.stdout
