@@ -146,3 +146,13 @@ def skip_block(layer: nn.Module) -> Iterator[None]:
         yield
     finally:
         h.remove()
+
+
+def mlp_branch(block: nn.Module) -> nn.Module:
+    """The module whose output a block adds to the residual stream after its attention: the MLP, or
+    the norm after it where the family has one (Gemma3's ``post_feedforward_layernorm``)."""
+    if hasattr(block, "post_feedforward_layernorm"):
+        return block.post_feedforward_layernorm
+    if not hasattr(block, "mlp"):
+        raise ModelLoadError(f"{type(block).__name__} has no `mlp`: cannot locate its MLP branch")
+    return block.mlp

@@ -4,6 +4,8 @@ An LRA replaces one or more removed blocks by an affine map of the hidden state:
 
     residual (default):  y = x + x Wᵀ + b          W: (d, d) or low rank W = U Vᵀ, U, V: (d, r)
     affine (ablation):   y = x Aᵀ + c              no identity path; fitted to the block output
+    bias=False:          b (or c) is absent        "Ghosted Layers"-style I + M (residual, no bias),
+                                                   or LinearPatch's P = H D Hᵀ (affine, no bias)
 
 Parameters: full rank d² + d, low rank 2dr + d. Any LRA is the affine map ``y = M x + c`` with
 ``M = I + W`` (residual) or ``M = A`` (affine), so consecutive adapters merge exactly::
@@ -19,33 +21,40 @@ and two low-rank residual adapters merge into one of rank r₁ + r₂ without fo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
+from .errors import ConfigError
+
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """Shape of one adapter: ``kind`` in {"residual", "affine"}; ``rank`` None = full rank."""
+    """Shape of one adapter: ``kind`` in {"residual", "affine"}; ``rank`` None = full rank;
+    ``bias`` False: no bias term."""
 
     dim: int
-    kind: str = "residual"
+    kind: Literal["residual", "affine"] = "residual"
     rank: int | None = None
+    bias: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.dim, int) or self.dim < 1:
+            raise ConfigError(f"adapter dim must be a positive integer, got {self.dim!r}")
         if self.kind not in ("residual", "affine"):
-            raise ValueError(f"adapter kind must be 'residual' or 'affine', got {self.kind!r}")
+            raise ConfigError(f"adapter kind must be 'residual' or 'affine', got {self.kind!r}")
         if self.rank is not None and not (1 <= self.rank <= self.dim):
-            raise ValueError(f"adapter rank must be in [1, {self.dim}] or None (full), got {self.rank}")
+            raise ConfigError(f"adapter rank must be in [1, {self.dim}] or None (full), got {self.rank}")
         if self.kind == "affine" and self.rank is not None:
-            raise ValueError("the affine ablation is full rank only (rank must be None)")
+            raise ConfigError("the affine ablation is full rank only (rank must be None)")
 
     @property
     def low_rank(self) -> bool:
         return self.rank is not None and self.rank < self.dim
 
     def to_dict(self) -> dict:
-        return {"dim": self.dim, "kind": self.kind, "rank": self.rank}
+        return {"dim": self.dim, "kind": self.kind, "rank": self.rank, "bias": self.bias}
 
 
 class LinearResidualAdapter(nn.Module):
@@ -63,21 +72,21 @@ class LinearResidualAdapter(nn.Module):
         d, kw = spec.dim, dict(dtype=dtype, device=device)
         if spec.low_rank:
             self.down = nn.Linear(d, spec.rank, bias=False, **kw)
-            self.up = nn.Linear(spec.rank, d, **kw)
+            self.up = nn.Linear(spec.rank, d, bias=spec.bias, **kw)
             nn.init.zeros_(self.up.weight)
-            nn.init.zeros_(self.up.bias)
         else:
-            self.linear = nn.Linear(d, d, **kw)
-            nn.init.zeros_(self.linear.bias)
+            self.linear = nn.Linear(d, d, bias=spec.bias, **kw)
             if spec.kind == "affine":
                 with torch.no_grad():
                     self.linear.weight.copy_(torch.eye(d))
             else:
                 nn.init.zeros_(self.linear.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.to(self.bias.dtype)
+        h = x.to(self.param_dtype)
         y = self.up(self.down(h)) if self.spec.low_rank else self.linear(h)
         if self.spec.kind == "residual":
             y = h + y
@@ -85,8 +94,12 @@ class LinearResidualAdapter(nn.Module):
 
     # -- parameters as matrices --------------------------------------------------------------
     @property
-    def bias(self) -> torch.Tensor:
+    def bias(self) -> torch.Tensor | None:
         return self.up.bias if self.spec.low_rank else self.linear.bias
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return (self.up if self.spec.low_rank else self.linear).weight.dtype
 
     def weight_matrix(self) -> torch.Tensor:
         """W (residual) or A (affine) as a dense ``(d, d)`` matrix."""
@@ -97,14 +110,23 @@ class LinearResidualAdapter(nn.Module):
         M = self.weight_matrix().detach().to(dtype)
         if self.spec.kind == "residual":
             M = M + torch.eye(M.shape[0], dtype=dtype, device=M.device)
-        return M, self.bias.detach().to(dtype)
+        c = self.bias.detach().to(dtype) if self.bias is not None else torch.zeros(M.shape[0], dtype=dtype,
+                                                                                     device=M.device)
+        return M, c
 
     @torch.no_grad()
-    def set_full(self, W: torch.Tensor, b: torch.Tensor) -> None:
-        """Load a dense ``W`` (or A) ``(d, d)`` and ``b`` ``(d,)`` into a full-rank adapter."""
+    def set_full(self, W: torch.Tensor, b: torch.Tensor | None) -> None:
+        """Load a dense ``W`` (or A) ``(d, d)`` and ``b`` ``(d,)`` into a full-rank adapter
+        (``b`` must be None or zero for an adapter without bias)."""
         assert not self.spec.low_rank
         self.linear.weight.copy_(W)
-        self.linear.bias.copy_(b)
+        self._set_bias(b)
+
+    def _set_bias(self, b: torch.Tensor | None) -> None:
+        if self.bias is not None:
+            self.bias.copy_(b if b is not None else torch.zeros_like(self.bias))
+        elif b is not None and bool(b.abs().max() > 0):
+            raise ValueError("this adapter has no bias term; got a non-zero bias")
 
     @torch.no_grad()
     def set_low_rank(self, U: torch.Tensor, V: torch.Tensor, b: torch.Tensor) -> None:
@@ -112,10 +134,10 @@ class LinearResidualAdapter(nn.Module):
         assert self.spec.low_rank and U.shape[1] == self.spec.rank == V.shape[1]
         self.up.weight.copy_(U)
         self.down.weight.copy_(V.T)
-        self.up.bias.copy_(b)
+        self._set_bias(b)
 
     def extra_repr(self) -> str:
-        return f"dim={self.spec.dim}, kind={self.spec.kind}, rank={self.spec.rank or 'full'}"
+        return f"dim={self.spec.dim}, kind={self.spec.kind}, rank={self.spec.rank or 'full'}, bias={self.spec.bias}"
 
 
 def merge_adapters(first: LinearResidualAdapter, second: LinearResidualAdapter) -> LinearResidualAdapter:
@@ -127,17 +149,19 @@ def merge_adapters(first: LinearResidualAdapter, second: LinearResidualAdapter) 
     s1, s2 = first.spec, second.spec
     d = s1.dim
     assert s2.dim == d
-    ref = first.bias
+    ref = (first.up if s1.low_rank else first.linear).weight
     f64 = dict(dtype=torch.float64, device=ref.device)
+    bias = s1.bias or s2.bias
     if s1.kind == s2.kind == "residual" and s1.low_rank and s2.low_rank and s1.rank + s2.rank < d:
         U1, V1 = first.up.weight.detach().to(**f64), first.down.weight.detach().T.to(**f64)
         U2, V2 = second.up.weight.detach().to(**f64), second.down.weight.detach().T.to(**f64)
-        b1, b2 = first.bias.detach().to(**f64), second.bias.detach().to(**f64)
+        b1, b2 = first.affine()[1], second.affine()[1]
         U = torch.cat([U1 + U2 @ (V2.T @ U1), U2], dim=1)
         V = torch.cat([V1, V2], dim=1)
         b = b1 + U2 @ (V2.T @ b1) + b2
-        out = LinearResidualAdapter(AdapterSpec(d, "residual", s1.rank + s2.rank), dtype=ref.dtype, device=ref.device)
-        out.set_low_rank(U, V, b)
+        out = LinearResidualAdapter(AdapterSpec(d, "residual", s1.rank + s2.rank, bias), dtype=ref.dtype,
+                                    device=ref.device)
+        out.set_low_rank(U, V, b if bias else None)
         return out
     M1, c1 = first.affine()
     M2, c2 = second.affine()
@@ -145,6 +169,6 @@ def merge_adapters(first: LinearResidualAdapter, second: LinearResidualAdapter) 
     kind = "residual" if s1.kind == s2.kind == "residual" else "affine"
     if kind == "residual":
         M = M - torch.eye(d, **f64)
-    out = LinearResidualAdapter(AdapterSpec(d, kind, None), dtype=ref.dtype, device=ref.device)
-    out.set_full(M, c)
+    out = LinearResidualAdapter(AdapterSpec(d, kind, None, bias), dtype=ref.dtype, device=ref.device)
+    out.set_full(M, c if bias else None)
     return out

@@ -157,3 +157,13 @@ def publish_dir(output_dir: str | Path, write: Callable[[Path], None], kind: str
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def write_json_atomic(path: str | Path, doc) -> Path:
+    """Write ``doc`` as JSON to ``path`` through a temporary sibling and an atomic rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -115,11 +115,14 @@ class Solution:
         return self.W, self.b
 
 
-def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = None, kind: str = "residual") -> Solution:
+def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = None, kind: str = "residual",
+                bias: bool = True) -> Solution:
     """Closed-form ridge (optionally reduced-rank) fit of the site's statistics; see module doc.
 
     ``kind="residual"`` fits Δ ≈ x Wᵀ + b (adapter y = x + x Wᵀ + b, shrinks towards identity);
     ``kind="affine"`` fits the block output y = x + Δ ≈ x Aᵀ + c (ablation, shrinks A towards 0).
+    ``bias=False`` fits without intercept (``b = 0``): the statistics are used uncentred,
+    ``Wᵀ = (XᵀX + λI)⁻¹ XᵀΔ`` with ``λ = damping · mean(diag(XᵀX))``.
     """
     G, C, d = stats.G, stats.C, stats.dim
     n = G[d, d]
@@ -127,9 +130,12 @@ def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = Non
         raise SolveError(f"{stats.name}: no calibration tokens were accumulated")
     if not (torch.isfinite(G).all() and torch.isfinite(C).all()):
         raise SolveError(f"{stats.name}: calibration statistics are not finite; load the model in float32")
-    mx, my = G[:d, d] / n, C[d] / n                   # mean(x), mean(Δ)
-    Sxx = G[:d, :d] - n * torch.outer(mx, mx)          # Xcᵀ Xc
-    Sxy = C[:d] - n * torch.outer(mx, my)              # Xcᵀ Δc
+    if bias:
+        mx, my = G[:d, d] / n, C[d] / n                # mean(x), mean(Δ)
+    else:                                              # no intercept: uncentred statistics
+        mx, my = torch.zeros_like(G[:d, d]), torch.zeros_like(C[d])
+    Sxx = G[:d, :d] - n * torch.outer(mx, mx)          # Xcᵀ Xc   (XᵀX without bias)
+    Sxy = C[:d] - n * torch.outer(mx, my)              # Xcᵀ Δc   (XᵀΔ without bias)
     if kind == "affine":                               # target y = x + Δ
         Sxy, my = Sxy + Sxx, my + mx
     elif kind != "residual":

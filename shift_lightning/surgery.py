@@ -28,6 +28,7 @@ from torch import nn
 from .arch import block_input, decoder_layers, final_norm, with_block_input
 from .errors import ShiftError
 from .lra import AdapterSpec, LinearResidualAdapter
+from .peers import BranchMap, fold_replaceme
 
 SHIFT_CONFIG = "shift_config.json"
 LRA_WEIGHTS = "lra.safetensors"
@@ -169,6 +170,25 @@ def adapter_module_names(model: nn.Module) -> list[str]:
     return [] if container is None else [f"shift_adapters.sites.{k}" for k in container.sites.keys()]
 
 
+def apply_correction(model: nn.Module, correction, original_num_layers: int, removed: list[int]) -> None:
+    """Put a calibration ``correction`` (:class:`~shift_lightning.calibration.Correction`) into the
+    already pruned ``model``: attach its adapters and fold its ReplaceMe maps (``branch_maps``,
+    keyed by original block index) into the kept blocks they belong to."""
+    attach_adapters(model, correction.adapters)
+    if correction.branch_maps:
+        kept = [i for i in range(original_num_layers) if i not in set(removed)]
+        blocks = decoder_layers(model)
+        for orig, T in sorted(correction.branch_maps.items()):
+            if orig not in kept:
+                raise SurgeryError(f"ReplaceMe map for block {orig}, which was removed")
+            fold_replaceme(blocks[kept.index(orig)], T)
+
+
+def _branch_maps(model: nn.Module) -> dict[int, BranchMap]:
+    return {i: b.post_feedforward_layernorm for i, b in enumerate(decoder_layers(model))
+            if isinstance(getattr(b, "post_feedforward_layernorm", None), BranchMap)}
+
+
 # --------------------------------------------------------------------------------------------
 # Save / load
 # --------------------------------------------------------------------------------------------
@@ -190,11 +210,20 @@ def save_pretrained(model: nn.Module, tokenizer, out_dir: str | Path, spec: dict
     container = adapter_set(model)
     prefix = "model.shift_adapters."
     state = {k: v for k, v in model.state_dict().items() if not k.startswith(prefix)}
+    tensors = {}
+    branches = _branch_maps(model)
+    for i, bm in branches.items():  # the HF folder keeps the plain norm; the map goes to lra.safetensors
+        key = f"model.layers.{i}.post_feedforward_layernorm."
+        for name in list(state):
+            if name.startswith(key + "norm."):
+                state[key + name[len(key + "norm."):]] = state.pop(name)
+            elif name.startswith(key + "map."):
+                state.pop(name)
+        tensors[f"branch.{i}.weight"] = bm.map.weight.detach().contiguous().cpu()
     model.save_pretrained(out, state_dict=state)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     adapters = []
-    tensors = {}
     if container is not None:
         for key, mod in container.sites.items():
             adapters.append({"position": int(key), "chain": _adapter_specs(mod)})
@@ -202,6 +231,8 @@ def save_pretrained(model: nn.Module, tokenizer, out_dir: str | Path, spec: dict
                 tensors[f"{key}.{name}"] = t.detach().contiguous().cpu()
     save_file(tensors, str(out / LRA_WEIGHTS), metadata={"format": "pt"})
     doc = {"format_version": FORMAT_VERSION, **spec, "adapters": adapters}
+    if branches:
+        doc["branch_maps"] = [{"block": i, "after": "post_feedforward_layernorm"} for i in sorted(branches)]
     (out / SHIFT_CONFIG).write_text(json.dumps(doc, indent=2))
     return out
 
@@ -295,10 +326,18 @@ def _load_shift_folder(path: Path, dtype, device):
     _check_against_config(path, doc)
     wfile = path / LRA_WEIGHTS
     listed = {str(a["position"]) for a in doc["adapters"]}
+    branches = doc.get("branch_maps", [])
+    if not isinstance(branches, list) or not all(isinstance(b, dict) and isinstance(b.get("block"), int)
+                                                 for b in branches):
+        raise SurgeryError(f"{path / SHIFT_CONFIG}: 'branch_maps' must be a list of {{block, after}} entries")
     try:
         with safe_open(str(wfile), framework="pt") as f:
             keys = list(f.keys())
-            held = {k.split(".", 1)[0] for k in keys}
+            held = {k.split(".", 1)[0] for k in keys if not k.startswith("branch.")}
+            held_branches = {int(k.split(".")[1]) for k in keys if k.startswith("branch.")}
+            if held_branches != {b["block"] for b in branches}:
+                raise SurgeryError(f"{wfile} holds MLP-branch maps for blocks {sorted(held_branches)} but "
+                                   f"{SHIFT_CONFIG} lists {sorted(b['block'] for b in branches)}")
             if held != listed:
                 raise SurgeryError(
                     f"{wfile} holds adapters at positions {sorted(held, key=int)} but {SHIFT_CONFIG} lists "
@@ -331,6 +370,13 @@ def _load_shift_folder(path: Path, dtype, device):
             raise SurgeryError(f"{wfile}: adapter at position {key} does not match its spec: {e}") from e
         adapters[entry["position"]] = mod
     attach_adapters(model, adapters)
+    blocks = decoder_layers(model)
+    for b in branches:
+        i = b["block"]
+        if not 0 <= i < len(blocks) or not hasattr(blocks[i], "post_feedforward_layernorm"):
+            raise SurgeryError(f"{path / SHIFT_CONFIG}: MLP-branch map for block {i}, which has no post-MLP norm")
+        T = weights[f"branch.{i}.weight"].to(torch.float64).T
+        blocks[i].post_feedforward_layernorm = BranchMap(blocks[i].post_feedforward_layernorm, T)
     if device is not None:
         model.to(device)
     model.eval()

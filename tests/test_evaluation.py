@@ -342,3 +342,35 @@ def test_cli_unknown_task_fails_early(tmp_path):
     r = _cli("--output_dir", str(tmp_path / "x"), "--tasks", "arc_easy,hellaswagg", check=False)
     assert r.returncode != 0 and "Unknown task 'hellaswagg'" in r.stderr and "winogrande" in r.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_robust_summary_a_collapsed_model_cannot_win():
+    from shift_lightning.evaluation.summary import Bootstrap
+
+    rng = __import__("numpy").random.default_rng(0)
+    n = 300
+
+    def row(acc_vecs, chance):
+        return {"tasks": {t: {"metric": "acc", "chance": chance[t],
+                              "per_doc": {"doc_ids": list(range(n)), "acc": [int(x) for x in v]}}
+                          for t, v in acc_vecs.items()}}
+
+    def exact(share):  # a 0/1 vector with exactly that share of ones, in random order
+        v = __import__("numpy").zeros(n, dtype=int)
+        v[: round(share * n)] = 1
+        return rng.permutation(v)
+
+    chance = {"boolq": 0.62, "arc": 0.25}
+    orig = {"boolq": exact(0.40), "arc": exact(0.45)}         # below BoolQ's majority rate: not eligible
+    collapsed = {"boolq": exact(0.62),                        # answers "yes" to everything
+                 "arc": exact(0.25)}                          # chance on ARC
+    rows = {"original": row(orig, chance), "collapsed": row(collapsed, chance)}
+    b = Bootstrap(rows, "original", n_boot=500)
+    assert b.eligible == ["arc"]
+    so, sc = b.summary("original"), b.summary("collapsed")
+    assert sc["avg"] > so["avg"]                               # the plain average is won by the collapse
+    assert so["robust"] == 1.0 and abs(sc["robust"]) < 0.15    # the robust summary does not
+    lo, hi = sc["robust_ci"]
+    assert lo <= sc["robust"] <= hi
+    d = b.difference("original", "collapsed")
+    assert d["robust_diff_ci"][0] > 0.5

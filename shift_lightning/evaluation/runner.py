@@ -226,6 +226,8 @@ class Evaluator:
                 entry["ppl"] = math.exp(-float(per_doc["ll"].mean()))
             entry.update(metric=task.metric, value=entry[task.metric], n=n, n_available=td.n_available,
                          sampling=self._sampling(), split=td.split, data=td.origin)
+            if task.output_type == "multiple_choice":
+                entry["chance"] = chance_level(td.docs)
             entry["per_doc"] = {"doc_ids": [d.idx for d in td.docs],
                                 **{k: [round(float(x), 6) if k == "ll" else int(x) for x in v]
                                    for k, v in per_doc.items()}}
@@ -247,6 +249,18 @@ class Evaluator:
             return "all"
         return f"first {c.limit}" if c.sample_seed is None else f"random {c.limit} (seed {c.sample_seed})"
 
+
+
+def chance_level(docs: list[Doc]) -> float:
+    """Accuracy of the best answer-blind strategy on these docs: guessing uniformly
+    (mean of 1/#choices) or always picking the same choice index (e.g. BoolQ's "yes")."""
+    if not docs:
+        return float("nan")
+    uniform = sum(1.0 / len(d.contexts) for d in docs) / len(docs)
+    counts: dict[int, int] = {}
+    for d in docs:
+        counts[d.gold] = counts.get(d.gold, 0) + 1
+    return max(uniform, max(counts.values()) / len(docs))
 
 
 def _model_type(model: nn.Module) -> str | None:

@@ -21,14 +21,14 @@ from torch import nn
 
 from .. import dist
 from ..arch import decoder_layers
-from ..calibration import CalibrationConfig, CalibrationModule
+from ..calibration import CalibrationConfig, CalibrationModule, Correction
 from ..criteria import CRITERIA, CriterionError, PruneConfig, check_layers, num_to_remove
 from ..data import DataError, TextDataConfig, build_windows
 from ..errors import ConfigError
 from ..models import ModelConfig, num_params
 from ..outputs import prepare_output, publish_dir
 from ..selection import select_blocks
-from ..surgery import attach_adapters, load_pretrained, pruned_positions, remove_blocks, save_pretrained
+from ..surgery import apply_correction, load_pretrained, pruned_positions, remove_blocks, save_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +140,18 @@ def run_calibration(
     module = CalibrationModule(lm, selection.layers, calibration)
     if selection.layers:
         module.calibrate(make_trainer(), windows, held, batch_size=data.batch_size)
-    adapters = module.adapters_by_position() if selection.layers else {}
+    correction = module.correction() if selection.layers else Correction(calibration.kind)
+    adapters = correction.adapters
+    for note in correction.notes:
+        log.warning(note)
     remove_blocks(lm, selection.layers)
     t_cal = time.time()
     if do_eval and evaluate_baselines:
         evals["pruned"] = _evaluate(lm, tok, evaluate, make_trainer)
-    attach_adapters(lm, adapters)
+    apply_correction(lm, correction, n_layers, selection.layers)
     if do_eval:
-        evals["pruned+lra"] = _evaluate(lm, tok, evaluate, make_trainer)
+        label = "pruned+lra" if calibration.kind == "residual" else f"pruned+{calibration.kind}"
+        evals[label] = _evaluate(lm, tok, evaluate, make_trainer)
 
     report = {
         "model": model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny},
@@ -165,6 +169,8 @@ def run_calibration(
         "world_size": dist.world_size(),
         "sites": [{"index": s.index, "blocks": list(range(s.start, s.end)), **s.report} for s in module.sites],
         "adapters": _adapter_table(n_layers, selection.layers, adapters),
+        "branch_maps": sorted(correction.branch_maps),
+        "notes": correction.notes,
         "params_before": params_before,
         "params_after": num_params(lm),
         "seconds": {"selection": t_sel - t0, "calibration": t_cal - t_sel, "total": time.time() - t0},
@@ -173,7 +179,7 @@ def run_calibration(
         report["evaluation"] = evals
     if output_dir is not None and dist.rank() == 0:
         spec = {"original_num_layers": n_layers, "pruned_layers": selection.layers,
-                "base_model": report["model"], "criterion": selection.criterion}
+                "base_model": report["model"], "criterion": selection.criterion, "correction": calibration.kind}
 
         def write(tmp: Path):
             if save_model:

@@ -1,0 +1,262 @@
+"""Peer maps fitted like the LRA (no bias, generic affine, ReplaceMe, LinearPatch): known answers,
+float64 references, the ReplaceMe fold, save -> load round trips, and several kinds from one pass."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from shift_lightning import load_pretrained
+from shift_lightning.arch import decoder_layers, mlp_branch
+from shift_lightning.calibration import CalibrationConfig, CalibrationModule
+from shift_lightning.data import TextDataConfig, build_windows
+from shift_lightning.models import build_tiny_model
+from shift_lightning.peers import fold_replaceme, hadamard, linearpatch_matrix
+from shift_lightning.surgery import apply_correction, remove_blocks, save_pretrained
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = str(ROOT / "tests" / "data" / "tiny_corpus.txt")
+
+
+def _trainer():
+    return L.Trainer(accelerator="cpu", devices=1, inference_mode=False, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+
+
+def _windows(tok, n=8, seq_len=64, packing=False):
+    return build_windows(TextDataConfig(source=CORPUS, num_samples=n, seq_len=seq_len, packing=packing), tok)
+
+
+class Linear(nn.Module):
+    """A stand-in block that is exactly ``y = x Aᵀ + c`` (plus ``m Bᵀ`` if it reads a branch)."""
+
+    def __init__(self, A, c=None, branch=None, B=None):
+        super().__init__()
+        self.A, self.c, self.branch, self.B = A, c, branch, B
+
+    def forward(self, hidden_states, *args, **kwargs):
+        y = hidden_states @ self.A.T.to(hidden_states)
+        if self.c is not None:
+            y = y + self.c.to(hidden_states)
+        if self.branch is not None:
+            y = y + self.branch["m"] @ self.B.T.to(hidden_states)
+        return y
+
+
+def _rand(d, seed, scale=0.2):
+    g = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(d, d, generator=g, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
+
+
+def _fit(model, removed, kinds, windows, damping=1e-10):
+    mod = CalibrationModule(model, removed, CalibrationConfig(damping=damping), kinds=kinds)
+    mod.calibrate(_trainer(), windows, batch_size=4)
+    return mod
+
+
+def test_exactly_linear_spans_are_recovered_exactly(tiny):
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    d = model.config.hidden_size
+    eye = torch.eye(d, dtype=torch.float64)
+    W0, c0 = _rand(d, 1), 0.1 * torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    A0 = _rand(d, 3, 0.3) + eye
+    blocks = decoder_layers(model)
+    blocks[2] = Linear(eye + W0)               # residual without bias: nobias recovers W0 exactly
+    blocks[4] = Linear(A0, c0)                 # generic affine: affine recovers A0, c0 exactly
+    mod = _fit(model, [2, 4], ["residual", "nobias", "affine"], _windows(tok))
+    s2, s4 = mod.sites
+    assert_close(s2.solutions["nobias"].W, W0, rtol=1e-6, atol=1e-7)
+    assert s2.solutions["nobias"].b.abs().max() == 0
+    assert_close(s2.solutions["residual"].W, W0, rtol=1e-6, atol=1e-7)
+    assert_close(s4.solutions["affine"].W, A0, rtol=1e-6, atol=1e-7)
+    assert_close(s4.solutions["affine"].b, c0, rtol=1e-6, atol=1e-7)
+    assert_close(s4.solutions["residual"].W, A0 - eye, rtol=1e-6, atol=1e-7)
+    assert s2.report["kinds"]["nobias"]["calib_rel_error"] < 1e-10
+    # the adapters reproduce the blocks they replace
+    x = torch.randn(3, 5, d, dtype=torch.float64)
+    assert_close(s2.adapters["nobias"](x), x @ (eye + W0).T)
+    assert_close(s4.adapters["affine"](x), x @ A0.T + c0)
+
+
+def test_nobias_equals_uncentred_float64_ridge(tiny):
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    win = _windows(tok)
+    cap = {}
+    blocks = decoder_layers(model)
+    h1 = blocks[3].register_forward_pre_hook(lambda m, a, k: cap.__setitem__("x", a[0] if a else k["hidden_states"]),
+                                             with_kwargs=True)
+    h2 = blocks[3].register_forward_hook(lambda m, a, o: cap.__setitem__("y", o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        model(input_ids=win.input_ids, attention_mask=win.attention_mask, use_cache=False)
+    h1.remove(), h2.remove()
+    m = win.attention_mask.bool()
+    x, dl = cap["x"][m], (cap["y"] - cap["x"])[m]
+    S = x.T @ x
+    lam = 1e-3 * S.diagonal().mean()
+    W = torch.linalg.solve(S + lam * torch.eye(x.shape[1], dtype=x.dtype), x.T @ dl).T
+    mod = _fit(model, [3], ["nobias"], win, damping=1e-3)
+    assert_close(mod.sites[0].solutions["nobias"].W, W, rtol=1e-8, atol=1e-10)
+
+
+def test_replaceme_recovers_a_span_linear_in_the_mlp_branch_and_folds_exactly(tiny):
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    d = model.config.hidden_size
+    T0 = torch.eye(d, dtype=torch.float64) + _rand(d, 7, 0.3)
+    blocks = decoder_layers(model)
+    shared = {}
+    mlp_branch(blocks[1]).register_forward_hook(lambda mod, a, out: shared.__setitem__("m", out))
+    # blocks 2, 3 together add m (T0 - I): exactly what ReplaceMe's folded map reproduces
+    blocks[2] = Linear(torch.eye(d, dtype=torch.float64), branch=shared, B=(T0 - torch.eye(d, dtype=torch.float64)).T)
+    blocks[3] = Linear(torch.eye(d, dtype=torch.float64))
+    win = _windows(tok)
+    ids = win.input_ids[:2]
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+    mod = _fit(model, [2, 3], ["replaceme"], win)
+    corr = mod.correction("replaceme")
+    assert list(corr.branch_maps) == [1]
+    assert_close(corr.branch_maps[1], T0, rtol=1e-6, atol=1e-7)
+    assert mod.sites[0].report["calib_rel_error"] < 1e-10
+    remove_blocks(model, [2, 3])
+    for b in decoder_layers(model):
+        b._forward_hooks.clear()
+    apply_correction(model, corr, 6, [2, 3])
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False).logits
+    assert_close(out, ref, rtol=1e-6, atol=1e-6)  # the pruned, folded model equals the original
+    assert not list(model.model.shift_adapters.sites)  # no adapter, no hook: a stock HF model
+
+
+def test_replaceme_fold_equals_unfolded_map_and_is_a_stock_hf_model(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    d = model.config.hidden_size
+    T = torch.eye(d, dtype=torch.float64) + _rand(d, 11)
+    ids = torch.tensor([[5, 9, 33, 100, 7, 8]])
+    unfolded = copy.deepcopy(model)
+    mlp_branch(decoder_layers(unfolded)[2]).register_forward_hook(lambda m, a, out: out @ T)
+    fold_replaceme(decoder_layers(model)[2], T)
+    with torch.no_grad():
+        assert_close(model(ids).logits, unfolded(ids).logits, rtol=1e-10, atol=1e-10)
+    save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": []})
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    with torch.no_grad():
+        assert_close(stock(ids).logits, model(ids).logits, rtol=1e-12, atol=1e-12)
+
+
+def test_replaceme_on_gemma3_wraps_the_post_mlp_norm_and_round_trips(tmp_path):
+    model, tok = build_tiny_model("gemma3", num_hidden_layers=6, dtype=torch.float64)
+    win = _windows(tok)
+    mod = _fit(model, [3, 4], ["replaceme"], win, damping=1e-4)
+    ids = win.input_ids[:2, :20]
+    remove_blocks(model, [3, 4])
+    apply_correction(model, mod.correction("replaceme"), 6, [3, 4])
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+    save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": [3, 4]})
+    m2, _ = load_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(m2(input_ids=ids, use_cache=False).logits, ref)
+    assert m2.generate(ids[:1, :5], max_new_tokens=3, do_sample=False).shape[1] == 8
+
+
+def test_linearpatch_recovers_an_exact_hadamard_scaling(tiny):
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    d = model.config.hidden_size
+    s0 = 0.5 + torch.rand(d, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    P0 = linearpatch_matrix(s0)
+    H = hadamard(d)
+    assert_close(P0, H @ torch.diag(s0) @ H.T)
+    decoder_layers(model)[4] = Linear(P0.T)  # y = x P0
+    mod = _fit(model, [4], ["linearpatch"], _windows(tok))
+    span = mod.spans[0]
+    assert_close(span.scale.scale(), s0, rtol=1e-9, atol=1e-9)
+    x = torch.randn(2, 3, d, dtype=torch.float64)
+    assert_close(span.adapters["linearpatch"](x), x @ P0)
+    assert span.report["calib_rel_error"] < 1e-12
+
+
+def test_all_kinds_from_one_pass_equal_separate_fits_and_round_trip(tmp_path):
+    model, tok = build_tiny_model("qwen2", num_hidden_layers=6, dtype=torch.float64)
+    win, held = _windows(tok), _windows(tok, n=4)
+    kinds = ["residual", "nobias", "affine", "replaceme", "linearpatch"]
+    together = CalibrationModule(copy.deepcopy(model), [2, 3], CalibrationConfig(), kinds=kinds)
+    together.calibrate(_trainer(), win, held, batch_size=4)
+    ids = win.input_ids[:2, :16]
+    for kind in kinds:
+        alone = CalibrationModule(copy.deepcopy(model), [2, 3], CalibrationConfig(kind=kind))
+        alone.calibrate(_trainer(), win, held, batch_size=4)
+        outs = []
+        for mod in (together, alone):
+            m = copy.deepcopy(model)
+            remove_blocks(m, [2, 3])
+            apply_correction(m, mod.correction(kind), 6, [2, 3])
+            with torch.no_grad():
+                outs.append(m(input_ids=ids, use_cache=False).logits)
+        assert_close(outs[0], outs[1], rtol=1e-9, atol=1e-9)
+        # save -> load: identical logits
+        save_pretrained(m, tok, tmp_path / kind, {"original_num_layers": 6, "pruned_layers": [2, 3],
+                                                   "correction": kind})
+        m2, _ = load_pretrained(tmp_path / kind)
+        with torch.no_grad():
+            assert torch.equal(m2(input_ids=ids, use_cache=False).logits, outs[1])
+    span_err = together.spans[0].report["span_errors"]
+    assert set(span_err) == set(kinds)
+    assert all(0 <= e["heldout_rel_error"] < 1.5 for e in span_err.values())
+
+
+def test_peer_kinds_refuse_sequential_and_rank():
+    from shift_lightning.errors import ConfigError
+
+    model, _ = build_tiny_model("llama")
+    with pytest.raises(ConfigError, match="sequential"):
+        CalibrationModule(model, [2], CalibrationConfig(mode="sequential", kind="replaceme"))
+    with pytest.raises(ConfigError, match="rank"):
+        CalibrationModule(model, [2], CalibrationConfig(kind="linearpatch", rank=4))
+
+
+def test_trunk_cache_gives_bit_identical_evaluations():
+    from shift_lightning.evaluation.runner import EvalConfig, evaluate_model
+    from shift_lightning.evaluation.trunk import TrunkCache
+
+    ev = EvalConfig(tasks="arc_easy,piqa,winogrande", data_dir=str(ROOT / "tests" / "data" / "eval_tiny"),
+                    ppl=str(ROOT / "tests" / "data" / "tiny_heldout.txt"), ppl_max_windows=3, ppl_seq_len=48,
+                    progress=False, batch_size=4)
+    model, tok = build_tiny_model("llama", num_hidden_layers=6)
+    win = _windows(tok)
+    mod = CalibrationModule(copy.deepcopy(model), [3, 4], CalibrationConfig(), kinds=["residual", "replaceme"])
+    mod.calibrate(_trainer(), win, batch_size=4)
+    variants = {}
+    for kind in (None, "residual", "replaceme"):
+        m = copy.deepcopy(model)
+        remove_blocks(m, [3, 4])
+        if kind:
+            apply_correction(m, mod.correction(kind), 6, [3, 4])
+        variants[kind] = m
+    plain = {k: evaluate_model(m, tok, ev) for k, m in variants.items()}
+    cache = TrunkCache(depth=2)  # ReplaceMe changes block 2: blocks 0, 1 are shared
+    cached = {}
+    with cache.recording(variants[None]):
+        cached[None] = evaluate_model(variants[None], tok, ev)
+    for k in ("residual", "replaceme"):
+        with cache.replaying(variants[k]):
+            cached[k] = evaluate_model(variants[k], tok, ev)
+    assert cache.hits > 0 and cache.misses == 0
+    for k in variants:
+        for t in plain[k]["tasks"]:
+            assert plain[k]["tasks"][t]["per_doc"] == cached[k]["tasks"][t]["per_doc"]
+        for p in plain[k]["perplexity"]:
+            assert plain[k]["perplexity"][p]["ppl"] == cached[k]["perplexity"][p]["ppl"]
+    assert plain["residual"]["perplexity"] != plain["replaceme"]["perplexity"]
