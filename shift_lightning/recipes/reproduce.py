@@ -24,7 +24,6 @@ import copy
 import json
 import logging
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -111,6 +110,19 @@ class ReproduceConfig:
     """Bootstrap resamples for the intervals."""
 
 
+def rerun_command(cfg: ReproduceConfig) -> str:
+    """The command that reproduces ``cfg``'s runs into ``results/paper`` (options that differ from the
+    defaults only; where the files went is not part of the result)."""
+    default = ReproduceConfig()
+    parts = ["python -m shift_lightning.recipes.reproduce"]
+    for f in fields(ReproduceConfig):
+        v = getattr(cfg, f.name)
+        if f.name in ("out", "render_only") or v == getattr(default, f.name):
+            continue
+        parts.append(f"--{f.name} {json.dumps(v) if not isinstance(v, str) else v}")
+    return " ".join(parts)
+
+
 def _model_key(name: str) -> str:
     return Path(name).name.replace("/", "_")
 
@@ -164,7 +176,7 @@ def run(cfg: ReproduceConfig) -> Path:
     if cfg.render_only:
         render(folder, cfg)
         return folder
-    command = "python -m shift_lightning.recipes.reproduce " + " ".join(sys.argv[1:])
+    command = rerun_command(cfg)
     lm, tok = load_pretrained(ModelConfig(name_or_path=cfg.model, tiny=cfg.tiny))
     n_layers = len(decoder_layers(lm))
     ev = _eval_config(cfg, lm.config.vocab_size)
