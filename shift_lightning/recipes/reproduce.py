@@ -117,7 +117,7 @@ def rerun_command(cfg: ReproduceConfig) -> str:
     parts = ["python -m shift_lightning.recipes.reproduce"]
     for f in fields(ReproduceConfig):
         v = getattr(cfg, f.name)
-        if f.name in ("out", "render_only") or v == getattr(default, f.name):
+        if f.name in ("out", "render_only") or (v == getattr(default, f.name) and f.name != "model"):
             continue
         parts.append(f"--{f.name} {json.dumps(v) if not isinstance(v, str) else v}")
     return " ".join(parts)
