@@ -49,7 +49,7 @@ from .errors import ConfigError
 from .lra import AdapterSpec, LinearResidualAdapter, merge_adapters
 from .passes import DataPass, sum_across_ranks
 from .peers import ChannelScaleStats, linearpatch_matrix
-from .stats import RidgeStats, Solution, SolveError, ridge_solve
+from .stats import RidgeStats, Solution, SolveError, guarded_solve, ridge_solve
 from .surgery import contiguous_spans, pruned_positions
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,12 @@ class CalibrationConfig:
     """Products of a batch in ``float64``, or ``float32`` chunks added into the float64 master."""
     heldout: bool = True
     """Also measure every site's relative residual error on the held-out windows."""
+    guard: bool = False
+    """Do-no-harm guard (residual / nobias / affine): every ``guard_every``-th calibration window is
+    held out; per site the ridge strength is chosen along λ·10^k by the error on those windows, and
+    a site whose map does not beat the identity there gets the identity (plain pruning)."""
+    guard_every: int = 4
+    """With ``guard``: which share of the windows is held out (every k-th window)."""
 
 
 @dataclass(eq=False)
@@ -93,6 +99,8 @@ class Site:
     end: int
     stats: RidgeStats | None = None
     """``(x entering block start, Δ = h_end − x)``."""
+    guard_stats: RidgeStats | None = None
+    """The same over the guard windows only (do-no-harm guard)."""
     mlp_stats: RidgeStats | None = None
     """``(MLP-branch output of block start−1, Δ)`` (ReplaceMe)."""
     scale: ChannelScaleStats | None = None
@@ -175,14 +183,18 @@ class CalibrationModule(DataPass):
         super().__init__()
         self.model = model
         self.cfg = cfg = cfg or CalibrationConfig()
-        self.kinds = list(dict.fromkeys(kinds or [cfg.kind]))
-        bad = [k for k in self.kinds if k not in KINDS]
+        requested = list(dict.fromkeys(kinds or [cfg.kind + ("+guard" if cfg.guard else "")]))
+        self.guarded = [k[: -len("+guard")] for k in requested if k.endswith("+guard")]
+        self.kinds = list(dict.fromkeys(k.removesuffix("+guard") for k in requested))
+        bad = [k for k in self.kinds if k not in KINDS] + [k for k in self.guarded if k not in SITE_KINDS]
         if bad:
             raise ConfigError(f"Unknown calibration kind(s) {bad}; choose from {', '.join(KINDS)}")
         site_kinds = [k for k in self.kinds if k in SITE_KINDS]
         if cfg.mode == "sequential" and (len(self.kinds) > 1 or not site_kinds):
             raise ConfigError("--calibration.mode sequential fits one kind of the LRA family (residual, nobias, "
                               "affine); ReplaceMe and LinearPatch are fitted on the original model (independent)")
+        if self.guarded and (cfg.mode == "sequential" or cfg.guard_every < 2):
+            raise ConfigError("The do-no-harm guard needs --calibration.mode independent and guard_every >= 2")
         if cfg.rank is not None and any(k in ("affine", "replaceme", "linearpatch") for k in self.kinds):
             raise ConfigError("--calibration.rank applies to residual / nobias adapters only")
         self.removed = sorted(removed)
@@ -227,9 +239,14 @@ class CalibrationModule(DataPass):
             else:  # a span that is also a site: add its span-only needs
                 _, mlp, scale = self._wants(span, True)
                 plan.append((span, (False, mlp, scale)))
-        total = sum(nr * a + nr * b + ns * c for _, (a, b, c) in plan)
+        guard = [site for site in self._capture if self.guarded and self._fitting]
+        total = sum(nr * a + nr * b + ns * c for _, (a, b, c) in plan) + nr * len(guard)
         self._flat = torch.zeros(total, dtype=torch.float64, device=device)
         off = 0
+        for site in guard:
+            site.guard_stats = RidgeStats(self.dim, site.name + " [guard windows]", accum_dtype=acc,
+                                          buffer=self._flat[off:off + nr])
+            off += nr
         for site, (a, b, c) in plan:
             if a:
                 site.stats = RidgeStats(self.dim, site.name, accum_dtype=acc, buffer=self._flat[off:off + nr])
@@ -273,6 +290,9 @@ class CalibrationModule(DataPass):
                     x = inputs[s.start]
                     if s.stats is not None and (s in self._capture or id(s) in spans):
                         s.stats.add_batch(x[m], (y - x)[m])
+                    if s.guard_stats is not None and s in self._capture:
+                        g = m & self._guard_rows[:, None]
+                        s.guard_stats.add_batch(x[g], (y - x)[g])
                     if id(s) in spans and s.mlp_stats is not None:
                         s.mlp_stats.add_batch(branch[s.start - 1][m], (y - x)[m])
                     if id(s) in spans and s.scale is not None:
@@ -291,6 +311,8 @@ class CalibrationModule(DataPass):
 
     def step(self, batch, batch_idx):
         self._mask = batch["attention_mask"].bool()
+        if self.guarded:
+            self._guard_rows = (batch["index"] % self.cfg.guard_every) == self.cfg.guard_every - 1
         if self._mode == "cache":
             return self._cache_batch(batch)
         with swapped_blocks(self.model, self._bypasses()):
@@ -386,6 +408,8 @@ class CalibrationModule(DataPass):
         for kind in self.kinds:
             if kind in SITE_KINDS:
                 jobs += [(s, kind) for s in self.sites]
+                if kind in self.guarded:
+                    jobs += [(s, kind + "+guard") for s in self.sites]
             elif kind == "replaceme":
                 jobs += [(s, kind) for s in self.spans if s.start >= 1]
         return jobs
@@ -394,8 +418,9 @@ class CalibrationModule(DataPass):
         """Solve ``jobs`` shared out among ranks (job n on rank n mod world), then broadcast."""
         world, me = dist.world_size(), dist.rank()
         d, dtype = self.dim, next(self.model.parameters()).dtype
-        for n, (s, kind) in enumerate(jobs):
+        for n, (s, name) in enumerate(jobs):
             owner = n % world
+            kind, guarded = name.removesuffix("+guard"), name.endswith("+guard")
             low_rank = kind in ("residual", "nobias") and self.cfg.rank is not None and self.cfg.rank < d
             r = self.cfg.rank if low_rank else None
             stats = s.mlp_stats if kind == "replaceme" else s.stats
@@ -407,7 +432,11 @@ class CalibrationModule(DataPass):
             err: Exception | None = None
             if me == owner:
                 try:
-                    sol = ridge_solve(stats, self.cfg.damping, r, solve_kind, bias=bias)
+                    if guarded:
+                        sol, rep = guarded_solve(stats, s.guard_stats, self.cfg.damping, r, solve_kind, bias)
+                        s.report.setdefault("guard", {})[kind] = rep
+                    else:
+                        sol = ridge_solve(stats, self.cfg.damping, r, solve_kind, bias=bias)
                     W.copy_(sol.W), b.copy_(sol.b), lam.fill_(sol.lam)
                     if r:
                         U.copy_(sol.U), V.copy_(sol.V)
@@ -418,16 +447,19 @@ class CalibrationModule(DataPass):
                 raise err
             if not torch.isfinite(W).all():
                 raise SolveError(f"{s.name}: the solve failed on rank {owner}; increase --calibration.damping")
+            if guarded and world > 1:  # the path report lives on the owner; the choice follows from λ
+                s.report.setdefault("guard", {}).setdefault(kind, {"chosen": "identity" if lam.item() == float("inf")
+                                                                    else float(lam.item())})
             sol = Solution(W, b, U if r else None, V if r else None, float(lam.item()), solve_kind)
-            s.solutions[kind] = sol
+            s.solutions[name] = sol
             if kind != "replaceme":
                 a = LinearResidualAdapter(AdapterSpec(d, solve_kind, r, bias), dtype=dtype, device=W.device)
                 if r:
                     a.set_low_rank(U, V, b if bias else None)
                 else:
                     a.set_full(W, b if bias else None)
-                s.adapters[kind] = a
-            self._record(s, kind, stats, sol)
+                s.adapters[name] = a
+            self._record(s, name, stats, sol)
 
     def _solve_linearpatch(self):
         d, dtype = self.dim, next(self.model.parameters()).dtype
@@ -445,10 +477,28 @@ class CalibrationModule(DataPass):
     def _record(self, s: Site, kind: str, stats: RidgeStats, sol: Solution) -> None:
         Wd, bd = sol.delta_map()
         entry = {"calib_rel_error": stats.relative_error(Wd, bd), "calib_tokens": stats.num_tokens, "lam": sol.lam}
-        if kind == s.primary:
+        if kind == s.primary or (self.cfg.guard and kind == s.primary + "+guard"):
             s.report.update(entry)
-        if len(self.kinds) > 1 or kind in SPAN_KINDS:
+        if len(self.kinds) > 1 or kind in SPAN_KINDS or kind.endswith("+guard"):
             s.report.setdefault("kinds", {}).setdefault(kind, {}).update(entry)
+
+    def solve(self) -> list[Site]:
+        """(Re)solve every site from the statistics its sites hold now, e.g. statistics summed over
+        several passes (:meth:`add_statistics`) or reused with another damping or rank."""
+        self._solve(self._jobs())
+        if "linearpatch" in self.kinds:
+            self._solve_linearpatch()
+        return self.sites
+
+    def add_statistics(self, other: "CalibrationModule") -> None:
+        """Add the sites' statistics of ``other`` (same sites, e.g. a pass over more windows) to ours:
+        sums of ``[X,1]ᵀ[X,1]``, ``[X,1]ᵀΔ``, ``Σ‖Δ‖²`` are additive over disjoint windows."""
+        for mine, theirs in zip(self.sites, other.sites):
+            if (mine.start, mine.end) != (theirs.start, theirs.end):
+                raise ConfigError("add_statistics needs the same sites in both modules")
+            if mine.stats is None:
+                mine.stats = RidgeStats(self.dim, mine.name, device=theirs.stats.buffer.device)
+            mine.stats.buffer += theirs.stats.buffer
 
     def calibrate(self, trainer: L.Trainer, windows: TokenWindows, heldout: TokenWindows | None = None,
                   batch_size: int = 4) -> list[Site]:
@@ -510,7 +560,7 @@ class CalibrationModule(DataPass):
         eye = torch.eye(self.dim, dtype=torch.float64)
         for f, span in zip(fresh_spans, self.spans):
             out = span.report.setdefault("span_errors", {})
-            for kind in self.kinds:
+            for kind in self.kinds + [k + "+guard" for k in self.guarded]:
                 if kind == "replaceme":
                     sol = span.solutions.get(kind)
                     if sol is None or f.mlp_stats is None:
@@ -528,7 +578,7 @@ class CalibrationModule(DataPass):
     # ---------------------------------------------------------------- results
     def adapters_by_position(self, kind: str | None = None) -> dict[int, nn.Module]:
         """Adapters keyed by pruned position; adjacent ones merged exactly when ``cfg.merge``."""
-        kind = kind or self.sites[0].primary
+        kind = kind or (self.sites[0].primary + ("+guard" if self.cfg.guard else ""))
         pos = pruned_positions(self.num_layers, self.removed)
         if kind == "linearpatch":
             return {pos[s.start]: s.adapters[kind] for s in self.spans}
@@ -551,7 +601,7 @@ class CalibrationModule(DataPass):
 
     def correction(self, kind: str | None = None) -> Correction:
         """What ``kind`` (default: the configured one) does to the pruned model."""
-        kind = kind or self.cfg.kind
+        kind = kind or (self.cfg.kind + ("+guard" if self.cfg.guard else ""))
         if kind == "replaceme":
             c = Correction(kind, branch_maps={s.start - 1: s.solutions[kind].W.T for s in self.spans
                                               if kind in s.solutions})

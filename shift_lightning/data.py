@@ -26,6 +26,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch.utils.data import Dataset
@@ -68,6 +69,10 @@ class TextDataConfig:
     """Shuffle seed for document order."""
     batch_size: int = 4
     """Windows per forward pass."""
+    format: Literal["text", "alpaca"] = "text"
+    """``text``: documents, the loss on every token; ``alpaca``: instruction records (``instruction``,
+    ``input``, ``output``) in the Stanford Alpaca prompt, one example per window (truncated, padded),
+    the loss on the response only."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,17 +214,22 @@ def wants_bos(tokenizer, model_type: str | None = None, add_bos: str | bool = "a
 
 
 class TokenWindows(Dataset):
-    """Fixed token windows: item = ``{"input_ids": (T,), "attention_mask": (T,)}`` (long)."""
+    """Fixed token windows: item = ``{"input_ids": (T,), "attention_mask": (T,)}`` (long), plus
+    ``"loss_mask": (T,)`` when only some tokens are targets (Alpaca: the response)."""
 
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor | None = None):
         assert input_ids.shape == attention_mask.shape and input_ids.ndim == 2
-        self.input_ids, self.attention_mask = input_ids, attention_mask
+        assert loss_mask is None or loss_mask.shape == input_ids.shape
+        self.input_ids, self.attention_mask, self.loss_mask = input_ids, attention_mask, loss_mask
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def __getitem__(self, i):
-        return {"input_ids": self.input_ids[i], "attention_mask": self.attention_mask[i]}
+        item = {"input_ids": self.input_ids[i], "attention_mask": self.attention_mask[i], "index": i}
+        if self.loss_mask is not None:
+            item["loss_mask"] = self.loss_mask[i]
+        return item
 
     @property
     def num_tokens(self) -> int:
@@ -263,8 +273,85 @@ def make_windows(texts: list[str], tokenizer, cfg: TextDataConfig, model_type: s
 
 
 def build_windows(cfg: TextDataConfig, tokenizer, model_type: str | None = None) -> TokenWindows:
-    """``load_texts`` + ``make_windows`` in one call."""
+    """``load_texts`` + ``make_windows`` in one call (``alpaca``: ``load_records`` + ``make_alpaca_windows``)."""
+    if cfg.format == "alpaca":
+        return make_alpaca_windows(load_records(cfg.source, cfg.split), tokenizer, cfg, model_type)
     return make_windows(load_texts(cfg.source, cfg.split, cfg.text_field), tokenizer, cfg, model_type)
+
+
+# --------------------------------------------------------------------------------------------
+# Instruction data (Alpaca format)
+# --------------------------------------------------------------------------------------------
+#: The Stanford Alpaca prompts (tatsu-lab/stanford_alpaca, train.py).
+ALPACA_PROMPT = ("Below is an instruction that describes a task, paired with an input that provides further "
+                 "context. Write a response that appropriately completes the request.\n\n"
+                 "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA_PROMPT_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately "
+                          "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+
+
+def load_records(source: str, split: str = "calibration") -> list[dict]:
+    """Instruction records ``{"instruction", "input", "output"}`` from a local .json/.jsonl file
+    (the Alpaca release is one JSON list) or ``hf:<dataset>`` (e.g. ``hf:tatsu-lab/alpaca``)."""
+    if source.startswith("hf:"):
+        import datasets
+
+        name, _, config = source[3:].partition(":")
+        ds = datasets.load_dataset(name, config or None, split=split if split not in ("calibration",) else "train")
+        records = [dict(r) for r in ds]
+    else:
+        p = Path(source).expanduser()
+        if not p.is_file():
+            raise DataError(f"Instruction data not found: {p} (an Alpaca-format .json or .jsonl file, or hf:<name>)")
+        try:
+            text = p.read_text(encoding="utf-8")
+            records = [json.loads(l) for l in text.splitlines() if l.strip()] if p.suffix == ".jsonl" \
+                else json.loads(text)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"{p}: not a UTF-8 JSON/JSONL file of Alpaca records ({e})") from e
+    bad = next((i for i, r in enumerate(records) if not isinstance(r, dict) or not isinstance(r.get("instruction"), str)
+                or not isinstance(r.get("output"), str)), None)
+    if bad is not None:
+        raise DataError(f"{source}: record {bad} is not an Alpaca record with string 'instruction' and 'output' fields")
+    return records
+
+
+def alpaca_prompt(record: dict) -> str:
+    inp = (record.get("input") or "").strip()
+    return (ALPACA_PROMPT if inp else ALPACA_PROMPT_NO_INPUT).format(instruction=record["instruction"], input=inp)
+
+
+def make_alpaca_windows(records: list[dict], tokenizer, cfg: TextDataConfig, model_type: str | None = None
+                        ) -> TokenWindows:
+    """One window per record: ``[BOS] prompt response EOS``, truncated to ``seq_len`` and right-padded;
+    ``loss_mask`` marks the response and EOS tokens (the prompt is context, not target)."""
+    if cfg.seq_len < 2 or cfg.num_samples < 1:
+        raise DataError(f"seq_len must be >= 2 and num_samples >= 1 (got {cfg.seq_len}, {cfg.num_samples})")
+    bos = wants_bos(tokenizer, model_type, cfg.add_bos)
+    order = list(range(len(records)))
+    random.Random(cfg.seed).shuffle(order)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    rows, masks, targets = [], [], []
+    for i in order:
+        prompt = ([tokenizer.bos_token_id] if bos else []) + tokenizer(alpaca_prompt(records[i]),
+                                                                       add_special_tokens=False)["input_ids"]
+        answer = tokenizer(records[i]["output"], add_special_tokens=False)["input_ids"]
+        answer += [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        ids = (prompt + answer)[: cfg.seq_len]
+        tgt = ([0] * len(prompt) + [1] * len(answer))[: cfg.seq_len]
+        if sum(tgt) == 0:  # the prompt alone fills the window: nothing to learn from this record
+            continue
+        n = len(ids)
+        rows.append(ids + [pad_id] * (cfg.seq_len - n))
+        masks.append([1] * n + [0] * (cfg.seq_len - n))
+        targets.append(tgt + [0] * (cfg.seq_len - n))
+        if len(rows) == cfg.num_samples:
+            break
+    if len(rows) < cfg.num_samples:
+        raise DataError(f"Only {len(rows)} Alpaca records have a response within {cfg.seq_len} tokens (asked for "
+                        f"{cfg.num_samples}); lower --data.num_samples or raise --data.seq_len.")
+    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return TokenWindows(as_long(rows), as_long(masks), as_long(targets))
 
 
 class RankShard(torch.utils.data.Sampler):

@@ -33,7 +33,8 @@ def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: tor
 
 def _chunk_nll_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                    valid: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias).float()
+    logits = F.linear(hidden, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     nll = F.cross_entropy(logits, labels, reduction="none")
@@ -41,23 +42,26 @@ def _chunk_nll_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def lm_nll_sum(hidden: torch.Tensor, lm_head: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               chunk_tokens: int = 1024, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               chunk_tokens: int = 1024, softcap: float | None = None, loss_mask: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Σ NLL, #predicted tokens)`` from the final hidden states without materialising the logits.
 
     ``hidden``: ``(B, T, d)`` after the final norm; ``lm_head``: the output ``nn.Linear(d, V)``.
     The same quantity as ``token_nll(lm_head(hidden), ...)`` summed over valid positions, computed
     ``chunk_tokens`` positions at a time; under autograd each chunk is recomputed in the backward
     pass (activation checkpointing), so at most one chunk of ``(chunk_tokens, V)`` float32 logits
-    exists at any time instead of ``(B, T, V)``.
+    exists at any time instead of ``(B, T, V)``. ``loss_mask`` ``(B, T)`` restricts the targets
+    (e.g. to an instruction's response); default: every real token.
     """
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     labels = input_ids[:, 1:].reshape(-1)
-    valid = (attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()).reshape(-1)
+    target = loss_mask if loss_mask is not None else attention_mask
+    valid = (target[:, 1:].bool() & attention_mask[:, :-1].bool()).reshape(-1)
     keep = valid.nonzero().squeeze(1)
     h, labels = h[keep], labels[keep]
-    ones = torch.ones(h.shape[0], dtype=torch.float32, device=h.device)
+    ones = torch.ones(h.shape[0], dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     for s in range(0, h.shape[0], chunk_tokens):
         args = (h[s:s + chunk_tokens], weight, bias, labels[s:s + chunk_tokens], ones[s:s + chunk_tokens], softcap)
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):

@@ -14,7 +14,9 @@ across ranks once at the end. This base owns that:
   ``use_distributed_sampler=True`` would break it);
 * the inference-mode guard: a pass that makes tensors which must stay trainable (solved adapters)
   or that needs gradients (Taylor scores) sets ``needs_grad_mode = True`` and refuses a Trainer with
-  ``inference_mode=True``.
+  ``inference_mode=True``;
+* no autocast: a pass runs in the model's own dtype even on a Trainer built for mixed-precision
+  training (``train.py`` calibrates and trains on one Trainer).
 
 Drive it with :meth:`DataPass.run` (``trainer.predict`` under the hood).
 """
@@ -114,7 +116,10 @@ class DataPass(L.LightningModule):
         self.begin()
 
     def predict_step(self, batch, batch_idx):
-        self.step(batch, batch_idx)
+        # Statistics and scores are computed in the model's own dtype: a Trainer with
+        # precision="bf16-mixed" (set for training) must not autocast the calibration pass.
+        with torch.autocast(self.device.type, enabled=False):
+            self.step(batch, batch_idx)
         self._items_seen += _count(batch)
         return self._items_seen.new_zeros(0)  # nothing to return (None would make Lightning warn)
 

@@ -11,6 +11,20 @@
 
 Which parameters train is decided from declared module sets (LoRA layers PEFT created, the
 adapter container, chosen blocks), never by substring-matching parameter names.
+
+Training details a long run needs:
+
+* the loss is the next-token NLL computed from the final hidden states in chunks
+  (:func:`~shift_lightning.nll.lm_nll_sum`): no ``(B, T, V)`` float32 logits are materialised;
+  Alpaca data restricts it to the response tokens;
+* AdamW (no decay on biases/norms), LRAs in their own parameter group (``lra_lr``), linear warm-up
+  then cosine decay to ``min_lr_ratio``; logs ``train/loss``, ``train/lr`` (``train/lra_lr``),
+  ``train/tokens_per_s``, ``val/loss``, ``val/ppl`` (token-weighted, summed over ranks);
+* checkpoints hold what trains (LoRA, LRAs, unfrozen blocks), the optimizer, the scheduler and the
+  loop state, not the frozen base model; the data position follows from the step
+  (:class:`StepBatchSampler`) and dropout is reseeded from ``(seed, step, rank)``, so a resumed run
+  equals an uninterrupted one.
+
 After ``trainer.fit``, :meth:`RecoveryModule.export` merges LoRA into the weights and saves a
 normal shift-lightning folder that :func:`shift_lightning.load_pretrained` reloads.
 """
@@ -18,6 +32,7 @@ normal shift-lightning folder that :func:`shift_lightning.load_pretrained` reloa
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -25,12 +40,13 @@ from typing import Literal
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Sampler
 
-from .arch import decoder_layers
+from . import dist
+from .arch import base_model, decoder_layers
 from .data import RankShard, TokenWindows
 from .errors import ConfigError
-from .nll import token_nll
+from .nll import lm_nll_sum
 from .surgery import adapter_module_names, adapter_set, pruned_positions, save_pretrained
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -61,14 +77,20 @@ class RecoveryConfig:
     weight_decay: float = 0.0
     """AdamW weight decay (never applied to biases or norms)."""
     warmup_steps: int = 0
-    """Linear warm-up steps, then cosine decay to 10% over ``trainer.max_steps``."""
+    """Linear warm-up steps, then cosine decay to ``min_lr_ratio`` over ``trainer.max_steps``."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    seed: int = 0
+    """Seed of the data order and of dropout (reseeded per step, so resuming is exact)."""
+    loss_chunk_tokens: int = 1024
+    """Positions per chunk of the LM-head loss (bounds the float32 logits kept in memory)."""
 
 
 class RecoveryModule(L.LightningModule):
-    """Fine-tunes a corrected model; logs ``train/loss``, ``val/loss`` and ``val/ppl`` (token-weighted)."""
+    """Fine-tunes a corrected model; see the module docstring for what it logs and checkpoints."""
 
     def __init__(self, model: nn.Module, cfg: RecoveryConfig | None = None, pruned_layers: list[int] | None = None,
-                 original_num_layers: int | None = None):
+                 original_num_layers: int | None = None, tokenizer=None):
         super().__init__()
         self.cfg = cfg = cfg or RecoveryConfig()
         if cfg.method not in ("lora", "partial", "lra"):
@@ -79,11 +101,12 @@ class RecoveryModule(L.LightningModule):
         if self.train_lra and adapter_set(model) is None:
             raise ConfigError("recovery.train_lra needs a model with adapters (a calibrated folder)")
         self.pruned_layers, self.original_num_layers = pruned_layers or [], original_num_layers
+        self.tokenizer = tokenizer  # plain attribute (ZeroShotAccuracy reads it)
         self.model = self._wrap(model)
-        from torchmetrics import SumMetric
-
-        # float64 sums; torchmetrics states ignore precision="bf16-true" casts (only set_dtype changes them)
-        self.val_nll, self.val_tokens = SumMetric().set_dtype(torch.float64), SumMetric().set_dtype(torch.float64)
+        self.strict_loading = False  # checkpoints hold the trainable tensors only
+        self.loss_history: list[float] = []
+        self._t_last: float | None = None
+        self._val_nll = self._val_tokens = None
 
     # ---------------------------------------------------------------- which parameters train
     def _wrap(self, model: nn.Module) -> nn.Module:
@@ -97,7 +120,9 @@ class RecoveryModule(L.LightningModule):
                               target_modules=list(cfg.target_modules), exclude_modules=r".*shift_adapters.*",
                               modules_to_save=adapter_module_names(model) if self.train_lra else None,
                               task_type="CAUSAL_LM")
-            return get_peft_model(model, lcfg)
+            with torch.random.fork_rng(devices=[]):  # LoRA's random init depends on the seed alone
+                torch.manual_seed(cfg.seed)
+                return get_peft_model(model, lcfg)
         if cfg.method == "partial":
             blocks = decoder_layers(model)
             chosen = cfg.partial_blocks
@@ -122,63 +147,109 @@ class RecoveryModule(L.LightningModule):
         """The trainable adapter parameters (PEFT's trainable copies under LoRA)."""
         if not self.train_lra:
             return []
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        return [p for p in adapter_set(base).sites.parameters() if p.requires_grad]
+        return [p for p in adapter_set(base_model(self.model)).sites.parameters() if p.requires_grad]
+
+    def trainable_names(self) -> set[str]:
+        return {n for n, p in self.named_parameters() if p.requires_grad}
 
     def configure_optimizers(self):
+        if self.trainer.max_steps is None or self.trainer.max_steps < 0:
+            raise ConfigError("Recovery is step-based: set --trainer.max_steps (e.g. 100)")
         lra_ids = {id(p) for p in self.lra_parameters()}
         decay, no_decay = [], []
         for n, p in self.model.named_parameters():
             if p.requires_grad and id(p) not in lra_ids:
                 (no_decay if p.ndim < 2 else decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay, "lr": self.cfg.lr},
-                  {"params": no_decay, "weight_decay": 0.0, "lr": self.cfg.lr}]
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay, "lr": self.cfg.lr, "name": "main"},
+                  {"params": no_decay, "weight_decay": 0.0, "lr": self.cfg.lr, "name": "main_no_decay"}]
         if lra_ids:
-            groups.append({"params": self.lra_parameters(), "weight_decay": 0.0, "lr": self.cfg.lra_lr or self.cfg.lr})
+            groups.append({"params": self.lra_parameters(), "weight_decay": 0.0,
+                           "lr": self.cfg.lra_lr or self.cfg.lr, "name": "lra"})
         groups = [g for g in groups if g["params"]]
         if not groups:
             raise ConfigError("Nothing to train: check recovery.method / target_modules / train_lra")
         opt = torch.optim.AdamW(groups)
-        total = max(int(self.trainer.max_steps or 0), 1) if self.trainer.max_steps and self.trainer.max_steps > 0 else None
-        warm = self.cfg.warmup_steps
-
-        def lr_lambda(step):
-            if warm and step < warm:
-                return (step + 1) / warm
-            if total is None:
-                return 1.0
-            t = min(1.0, (step - warm) / max(1, total - warm))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(self.cfg.warmup_steps, self.trainer.max_steps,
+                                                                     self.cfg.min_lr_ratio))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---------------------------------------------------------------- checkpoints: trainable tensors only
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        keep = self.trainable_names()
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+        checkpoint["shift_lightning"] = {"trainable": sorted(keep), "method": self.cfg.method,
+                                         "train_lra": self.train_lra}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        keep = self.trainable_names()
+        have = set(checkpoint["state_dict"])
+        if have != keep:
+            raise ConfigError(f"The checkpoint trains {len(have)} tensors, this run {len(keep)} "
+                              f"(e.g. {sorted(have ^ keep)[:3]}): resume with the same --recovery.* settings")
 
     # ---------------------------------------------------------------- steps
     def on_train_start(self) -> None:
         self.model.train()  # loaded models come in eval mode; LoRA dropout must be active while training
+        self._t_last = None
 
     def _nll(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        nll, valid = token_nll(logits.float(), ids, mask)
-        return (nll * valid).sum(), valid.sum()
+        lm = base_model(self.model)  # PEFT injects LoRA into the modules: the HF model runs them
+        hidden = lm.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        softcap = getattr(lm.config, "final_logit_softcapping", None)
+        return lm_nll_sum(hidden, lm.lm_head, ids, mask, self.cfg.loss_chunk_tokens, softcap,
+                          loss_mask=batch.get("loss_mask"))
+
+    def on_train_batch_start(self, batch, batch_idx):
+        # dropout masks are a function of (seed, step, rank): a resumed run draws the same ones
+        micro = self.global_step * self.trainer.accumulate_grad_batches + batch_idx % self.trainer.accumulate_grad_batches
+        torch.manual_seed(self.cfg.seed * 1_000_003 + micro * 7919 + self.global_rank)
 
     def training_step(self, batch, batch_idx):
         s, n = self._nll(batch)
         loss = s / n.clamp_min(1)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        bs = batch["input_ids"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=bs, sync_dist=True)
+        g = loss.detach().clone()
+        if dist.is_dist():
+            torch.distributed.all_reduce(g)
+            g /= dist.world_size()
+        self.loss_history.append(float(g))
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        now = time.perf_counter()
+        tokens = int(batch["attention_mask"].sum()) * self.trainer.world_size
+        if self._t_last is not None:
+            self.log("train/tokens_per_s", tokens / max(now - self._t_last, 1e-9), batch_size=1)
+        self._t_last = now
+        groups = self.trainer.optimizers[0].param_groups
+        self.log("train/lr", groups[0]["lr"], batch_size=1)
+        for g in groups:
+            if g.get("name") == "lra":
+                self.log("train/lra_lr", g["lr"], batch_size=1)
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_nll = torch.zeros(1, dtype=torch.float64, device=self.device)
+        self._val_tokens = torch.zeros(1, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch, batch_idx):
         s, n = self._nll(batch)
-        self.val_nll.update(s.double())
-        self.val_tokens.update(n.double())
+        self._val_nll += s.double()
+        self._val_tokens += n.double()
 
     def on_validation_epoch_end(self):
-        nll, n = self.val_nll.compute(), self.val_tokens.compute()  # summed over ranks
-        self.log("val/loss", (nll / n).float(), sync_dist=False)
-        self.log("val/ppl", torch.exp(nll / n).float(), prog_bar=True, sync_dist=False)
-        self.val_nll.reset(), self.val_tokens.reset()
+        from .passes import sum_across_ranks
+
+        sum_across_ranks([self._val_nll, self._val_tokens], self.trainer)  # each window on one rank
+        mean = self._val_nll / self._val_tokens.clamp_min(1)
+        metrics = {"val/loss": float(mean), "val/ppl": float(torch.exp(mean))}
+        # logged at the number of optimizer steps taken (0 before training), like zeroshot/*
+        for name, v in metrics.items():
+            self.log(name, v, prog_bar=name == "val/ppl", logger=False, sync_dist=False)
+        if self.trainer.is_global_zero and not self.trainer.sanity_checking:
+            for logger in self.trainer.loggers:
+                logger.log_metrics(metrics, step=self.trainer.global_step)
 
     # ---------------------------------------------------------------- export
     def merged_model(self) -> nn.Module:
@@ -197,8 +268,68 @@ class RecoveryModule(L.LightningModule):
         return save_pretrained(model, tokenizer, out_dir, spec)
 
 
+def warmup_cosine(warmup: int, total: int, floor: float = 0.1):
+    """``lr_lambda(step)``: linear warm-up over ``warmup`` steps, then cosine from 1 to ``floor`` at ``total``."""
+
+    def lr_lambda(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return lr_lambda
+
+
+class StepBatchSampler(Sampler[list[int]]):
+    """Micro-batches ``position() … total−1`` of one deterministic stream of sample indices.
+
+    The stream concatenates seeded permutations of the ``n`` samples (epoch ``e``: seed + e). The
+    global micro-batch ``m`` is ``stream[m·B·W : (m+1)·B·W]``; rank ``r`` takes its ``r``-th slice of
+    ``B``. So ``W`` processes of batch ``B`` see exactly the global batches of 1 process of batch
+    ``B·W``. Iteration starts at the micro-step ``position()`` (the trainer's ``global_step ×
+    accumulate_grad_batches``, read when iteration begins), so a resumed run continues the same
+    stream; the length is always ``total`` (Lightning counts the batches already done itself).
+    """
+
+    def __init__(self, n: int, batch_size: int, rank: int, world: int, seed: int, total: int,
+                 position=lambda: 0):
+        self.n, self.b, self.rank, self.world, self.seed = n, batch_size, rank, world, seed
+        self.total, self.position = total, position
+        self.start = 0
+        self._perm_epoch, self._perm = -1, None
+
+    def _index(self, p: int) -> int:
+        e, i = divmod(p, self.n)
+        if e != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed + e)
+            self._perm, self._perm_epoch = torch.randperm(self.n, generator=g).tolist(), e
+        return self._perm[i]
+
+    def __iter__(self):
+        gb = self.b * self.world
+        self.start = self.position()
+        for m in range(self.start, self.total):
+            pos = m * gb + self.rank * self.b
+            yield [self._index(p) for p in range(pos, pos + self.b)]
+
+    def __len__(self) -> int:
+        return self.total
+
+
+class _StepLoader(DataLoader):
+    """A DataLoader Lightning treats as resumable: its position is the trainer's step (see
+    :class:`StepBatchSampler`), so the saved state only records it."""
+
+    def state_dict(self) -> dict:
+        s = self.batch_sampler
+        return {"start": s.start, "total": s.total, "seed": s.seed}
+
+    def load_state_dict(self, state: dict) -> None:  # the position is re-derived from global_step
+        pass
+
+
 class RecoveryData(L.LightningDataModule):
-    """Training windows (shuffled, ``DistributedSampler`` per rank) and validation windows
+    """Training windows in a step-indexed order (:class:`StepBatchSampler`) and validation windows
     (sharded without repetition). Use with ``Trainer(use_distributed_sampler=False)``."""
 
     def __init__(self, train: TokenWindows, val: TokenWindows | None, batch_size: int = 4, seed: int = 0):
@@ -207,9 +338,11 @@ class RecoveryData(L.LightningDataModule):
 
     def train_dataloader(self):
         t = self.trainer
-        sampler = DistributedSampler(self.train, num_replicas=t.world_size, rank=t.global_rank, shuffle=True,
-                                     seed=self.seed)
-        return DataLoader(self.train, batch_size=self.batch_size, sampler=sampler)
+        accum = t.accumulate_grad_batches
+        total = max(int(t.max_steps), 0) * accum
+        sampler = StepBatchSampler(len(self.train), self.batch_size, t.global_rank, t.world_size, self.seed,
+                                   total=total, position=lambda: t.global_step * accum)
+        return _StepLoader(self.train, batch_sampler=sampler)
 
     def val_dataloader(self):
         if self.val is None:

@@ -237,6 +237,40 @@ def save_pretrained(model: nn.Module, tokenizer, out_dir: str | Path, spec: dict
     return out
 
 
+def save_adapters(model: nn.Module, tokenizer, out_dir: str | Path, spec: dict, base_model: dict,
+                  branch_maps: dict[int, torch.Tensor] | None = None) -> Path:
+    """Write an *adapter-only* folder: ``shift_config.json`` (with the base model's
+    :class:`~shift_lightning.models.ModelConfig` as ``base_model``), ``lra.safetensors`` and the
+    tokenizer, but no model weights. :func:`load_pretrained` rebuilds the corrected model from the
+    base model: load, remove ``pruned_layers``, attach the adapters, fold ``branch_maps``
+    (pruned block index -> ReplaceMe's ``T``). Megabytes instead of the model's gigabytes.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    container = adapter_set(model)
+    tensors, adapters = {}, []
+    if container is not None:
+        for key, mod in container.sites.items():
+            adapters.append({"position": int(key), "chain": _adapter_specs(mod)})
+            for name, t in mod.state_dict().items():
+                tensors[f"{key}.{name}"] = t.detach().contiguous().cpu()
+    blocks = decoder_layers(model)
+    entries = []
+    for i, T in sorted((branch_maps or {}).items()):
+        tensors[f"branch.{i}.weight"] = T.T.detach().to(torch.float32).contiguous().cpu()
+        after = "post_feedforward_layernorm" if hasattr(blocks[i], "post_feedforward_layernorm") else "down_proj"
+        entries.append({"block": i, "after": after})
+    save_file(tensors, str(out / LRA_WEIGHTS), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    doc = {"format_version": FORMAT_VERSION, **spec, "weights": "adapters", "base_model": base_model,
+           "adapters": adapters, "branch_maps": entries}
+    (out / SHIFT_CONFIG).write_text(json.dumps(doc, indent=2))
+    return out
+
+
 def is_shift_folder(path: str | Path) -> bool:
     """Whether ``path`` is a folder written by :func:`save_pretrained`."""
     return (Path(path).expanduser() / SHIFT_CONFIG).is_file()
@@ -274,6 +308,34 @@ def read_shift_config(path: str | Path) -> dict:
     if len(set(positions)) != len(positions):
         raise SurgeryError(f"{file}: duplicate adapter positions {sorted(positions)}")
     return doc
+
+
+def _rebuild_from_base(path: Path, doc: dict, dtype):
+    """The pruned model of an adapter-only folder: base model, blocks removed (adapters come after)."""
+    from transformers import AutoTokenizer
+
+    from .models import ModelConfig, load_model
+
+    try:
+        base = ModelConfig(**doc["base_model"])
+    except TypeError as e:
+        raise SurgeryError(f"{path / SHIFT_CONFIG}: bad base_model {doc['base_model']!r}: {e}") from e
+    if dtype is not None:
+        base = ModelConfig(**{**base.__dict__, "dtype": str(dtype).replace("torch.", "")})
+    model, tok = load_model(base)
+    n = len(decoder_layers(model))
+    if n != doc["original_num_layers"]:
+        raise SurgeryError(f"{path / SHIFT_CONFIG}: the base model {base.name_or_path!r} has {n} blocks, the record "
+                           f"says {doc['original_num_layers']}")
+    dim = model.config.hidden_size
+    for a in doc["adapters"]:
+        if any(not isinstance(sp, dict) or sp.get("dim") != dim for sp in a["chain"]):
+            raise SurgeryError(f"{path / SHIFT_CONFIG}: adapter at position {a['position']} does not match the base "
+                               f"model's hidden size {dim}")
+    remove_blocks(model, doc["pruned_layers"])
+    if (path / "tokenizer_config.json").exists():
+        tok = AutoTokenizer.from_pretrained(path)
+    return model, tok
 
 
 def _check_against_config(path: Path, doc: dict) -> dict:
@@ -323,7 +385,12 @@ def _load_shift_folder(path: Path, dtype, device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     doc = read_shift_config(path)
-    _check_against_config(path, doc)
+    adapter_only = doc.get("weights") == "adapters"
+    if adapter_only:
+        if not isinstance(doc.get("base_model"), dict):
+            raise SurgeryError(f"{path / SHIFT_CONFIG}: an adapter-only folder must name its base_model")
+    else:
+        _check_against_config(path, doc)
     wfile = path / LRA_WEIGHTS
     listed = {str(a["position"]) for a in doc["adapters"]}
     branches = doc.get("branch_maps", [])
@@ -350,10 +417,13 @@ def _load_shift_folder(path: Path, dtype, device):
     bad = [k for k, t in weights.items() if not torch.isfinite(t).all()]
     if bad:
         raise SurgeryError(f"{wfile}: non-finite adapter weights in {bad[:3]}; the folder is damaged")
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False)
-    tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+    if adapter_only:
+        model, tok = _rebuild_from_base(path, doc, dtype)
+    else:
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
     pdtype = next(model.parameters()).dtype
     adapters = {}
     for entry in doc["adapters"]:
@@ -373,10 +443,10 @@ def _load_shift_folder(path: Path, dtype, device):
     blocks = decoder_layers(model)
     for b in branches:
         i = b["block"]
-        if not 0 <= i < len(blocks) or not hasattr(blocks[i], "post_feedforward_layernorm"):
+        post_norm = 0 <= i < len(blocks) and hasattr(blocks[i], "post_feedforward_layernorm")
+        if not 0 <= i < len(blocks) or (not post_norm and not adapter_only):
             raise SurgeryError(f"{path / SHIFT_CONFIG}: MLP-branch map for block {i}, which has no post-MLP norm")
-        T = weights[f"branch.{i}.weight"].to(torch.float64).T
-        blocks[i].post_feedforward_layernorm = BranchMap(blocks[i].post_feedforward_layernorm, T)
+        fold_replaceme(blocks[i], weights[f"branch.{i}.weight"].to(torch.float64).T)
     if device is not None:
         model.to(device)
     model.eval()

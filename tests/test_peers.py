@@ -260,3 +260,31 @@ def test_trunk_cache_gives_bit_identical_evaluations():
         for p in plain[k]["perplexity"]:
             assert plain[k]["perplexity"][p]["ppl"] == cached[k]["perplexity"][p]["ppl"]
     assert plain["residual"]["perplexity"] != plain["replaceme"]["perplexity"]
+
+
+def test_do_no_harm_guard_keeps_good_maps_and_drops_useless_ones(tiny):
+    """A block that is exactly linear keeps its map (the guard never fires); a block whose update is
+    unpredictable noise gets the identity (plain pruning) instead of an overfitted map."""
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    d = model.config.hidden_size
+    eye = torch.eye(d, dtype=torch.float64)
+
+    class Noise(nn.Module):  # y = x + independent noise: nothing linear to learn
+        def forward(self, hidden_states, *args, **kwargs):
+            g = torch.Generator().manual_seed(int(hidden_states.abs().sum().item() * 1e6) % 2 ** 31)
+            return hidden_states + torch.randn(hidden_states.shape, generator=g, dtype=hidden_states.dtype)
+
+    blocks = decoder_layers(model)
+    blocks[2] = Linear(eye + _rand(d, 5))
+    blocks[4] = Noise()
+    win = _windows(tok, n=8, seq_len=24)  # few tokens: a full d x d map overfits the noise
+    mod = CalibrationModule(model, [2, 4], CalibrationConfig(damping=1e-6, guard=True, guard_every=2))
+    mod.calibrate(_trainer(), win, batch_size=2)
+    good, noisy = mod.sites
+    assert good.report["guard"]["residual"]["chosen"] != "identity" and not good.report["guard"]["residual"]["fired"]
+    assert noisy.report["guard"]["residual"]["chosen"] == "identity"
+    x = torch.randn(2, 3, d, dtype=torch.float64)
+    assert torch.equal(noisy.adapters["residual+guard"](x), x)  # identity map
+    assert not torch.equal(noisy.adapters["residual"](x), x)     # the unguarded map overfits
+    corr = mod.correction()  # the configured kind is the guarded one
+    assert corr.kind == "residual+guard"

@@ -12,7 +12,7 @@ from shift_lightning.criteria import PruneConfig
 from shift_lightning.data import TextDataConfig
 from shift_lightning.models import ModelConfig, decoder_layers
 from shift_lightning.recipes.calibrate import run_calibration
-from shift_lightning.recipes.train import run_recovery
+from shift_lightning.recipes.train import run_training
 from shift_lightning.recovery import RecoveryConfig, RecoveryModule
 from shift_lightning.surgery import adapter_set
 
@@ -34,6 +34,7 @@ def calibrated(tmp_path_factory):
 def _trainer(tmp_path, steps=10):
     return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, val_check_interval=5, check_val_every_n_epoch=None,
                      inference_mode=False, use_distributed_sampler=False, enable_checkpointing=False,
+                     num_sanity_val_steps=0,
                      enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
                      logger=L.pytorch.loggers.TensorBoardLogger(str(tmp_path / "runs"), name="rec"))
 
@@ -46,7 +47,7 @@ def _data():
 def test_lora_with_trainable_lra_recovers_and_exports(calibrated, tmp_path):
     data, val = _data()
     before_lra = {k: v.clone() for k, v in load_pretrained(calibrated)[0].model.shift_adapters.state_dict().items()}
-    rep = run_recovery(_trainer(tmp_path), model=ModelConfig(name_or_path=str(calibrated)), data=data, val=val,
+    rep = run_training(_trainer(tmp_path), model=ModelConfig(name_or_path=str(calibrated)), train_data=data, val=val,
                        recovery=RecoveryConfig(method="lora", train_lra=True, lora_r=4, lr=2e-3),
                        output_dir=str(tmp_path / "out"))
     assert rep.report["steps"] == 10
@@ -83,3 +84,158 @@ def test_partial_and_lra_only_select_the_right_parameters(calibrated):
         RecoveryModule(copy.deepcopy(model), RecoveryConfig(method="partial"))
     with pytest.raises(ValueError, match="'lora', 'partial' or 'lra'"):
         RecoveryModule(copy.deepcopy(model), RecoveryConfig(method="full"))
+
+
+# ------------------------------------------------------------------------------------------------
+# train.py: one job, resumable, lean
+# ------------------------------------------------------------------------------------------------
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from torch.testing import assert_close  # noqa: E402
+
+
+def _train_cli(*args, world=1, check=True):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", "tiny_lora.yaml", *args]
+    if world > 1:
+        cmd += ["--trainer.devices", str(world), "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if check:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    from shift_lightning.recipes.recovery_table import read_curves
+
+    return read_curves(logdir)
+
+
+def test_one_job_from_a_model_spec_one_and_two_processes(tmp_path):
+    """tiny model spec -> select/prune/calibrate -> LoRA + LRA recovery -> merged export; 2 DDP ranks
+    with half the batch each follow the same loss trajectory as 1 process."""
+    common = ["--recovery.lora_dropout", "0", "--trainer.max_steps", "6", "--trainer.val_check_interval", "3",
+              "--model.dtype", "float64"]  # float64: Adam does not amplify reduction-order rounding
+    _train_cli("--output_dir", str(tmp_path / "one"), "--trainer.logger.init_args.save_dir", str(tmp_path / "r1"),
+               *common)
+    _train_cli("--output_dir", str(tmp_path / "two"), "--trainer.logger.init_args.save_dir", str(tmp_path / "r2"),
+               "--train_data.batch_size", "2", *common, world=2)
+    r1 = json.loads((tmp_path / "one" / "recovery_report.json").read_text())
+    r2 = json.loads((tmp_path / "two" / "recovery_report.json").read_text())
+    assert (r1["world_size"], r2["world_size"], r1["steps"], r2["steps"]) == (1, 2, 6, 6)
+    assert r1["recovered"] and r1["pruned_layers"] == [2, 3]
+    assert_close(torch.tensor(r2["loss_history"]), torch.tensor(r1["loss_history"]), rtol=1e-9, atol=1e-9)
+    # the calibration artefacts: report + adapter-only folder, reloadable on its own
+    cal = tmp_path / "one.calibration"
+    assert (cal / "calibration_report.json").exists() and not (cal / "model.safetensors").exists()
+    m_cal, tok = load_pretrained(cal)
+    assert len(decoder_layers(m_cal)) == 4 and adapter_set(m_cal) is not None
+    m, _ = load_pretrained(tmp_path / "one")
+    ids = tok("one job", return_tensors="pt").input_ids
+    assert m.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+    # TensorBoard: zero-shot at step 0 and at every validation, next to val/ppl, loss, lr, tokens/s
+    sc = _scalars(tmp_path / "r1")
+    assert [s for s, _ in sc["zeroshot/avg"]] == [0, 3, 6] and [s for s, _ in sc["val/ppl"]] == [0, 3, 6]
+    assert {"train/loss", "train/lr", "train/lra_lr", "train/tokens_per_s", "zeroshot/arc_easy"} <= set(sc)
+    # zero-shot under DDP equals one process
+    assert _scalars(tmp_path / "r2")["zeroshot/avg"] == sc["zeroshot/avg"]
+
+
+class _Crash(L.Callback):
+    def __init__(self, at):
+        self.at = at
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.at:
+            raise RuntimeError("simulated crash")
+
+
+def _job(tmp_path, name, steps=8, callbacks=(), ckpt_path=None, train_lra=True, method="lora"):
+    from shift_lightning.calibration import CalibrationConfig
+    from shift_lightning.recipes.train import training_callbacks
+
+    out = tmp_path / name
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, val_check_interval=4,
+                        check_val_every_n_epoch=None, inference_mode=False, use_distributed_sampler=False,
+                        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, logger=False,
+                        accumulate_grad_batches=2,
+                        callbacks=[*training_callbacks(str(out), None, 4), *callbacks])
+    data, val = _data()
+    return run_training(trainer, model=ModelConfig(tiny={"family": "llama"}),
+                        data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
+                        heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[2, 3]),
+                        calibration=CalibrationConfig(), train_data=data, val=val,
+                        recovery=RecoveryConfig(method=method, train_lra=train_lra, lora_r=4, lr=2e-3, warmup_steps=2),
+                        output_dir=str(out), ckpt_path=ckpt_path)
+
+
+def test_resume_equals_uninterrupted_and_checkpoints_hold_only_what_trains(tmp_path):
+    full = _job(tmp_path, "full")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _job(tmp_path, "cut", callbacks=[_Crash(3)])
+    assert not (tmp_path / "cut").exists() and (tmp_path / "cut.ckpt" / "last.ckpt").exists()
+    ck = torch.load(tmp_path / "cut.ckpt" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert ck["global_step"] == 3
+    module = full.module
+    assert set(ck["state_dict"]) and all(("lora_" in k) or ("modules_to_save" in k) for k in ck["state_dict"])
+    n_ckpt = sum(t.numel() for t in ck["state_dict"].values())
+    assert n_ckpt == full.report["trainable_params"] < sum(p.numel() for p in module.parameters()) / 4
+    resumed = _job(tmp_path, "cut", ckpt_path="last")
+    assert resumed.report["steps"] == full.report["steps"] == 8
+    assert_close(torch.tensor(resumed.report["loss_history"]), torch.tensor(full.report["loss_history"][3 * 2:]),
+                 rtol=1e-6, atol=1e-7)
+    a, _ = load_pretrained(tmp_path / "full")
+    b, _ = load_pretrained(tmp_path / "cut")
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb
+        assert_close(va, vb, rtol=1e-6, atol=1e-7)
+
+
+def test_lras_change_only_when_trained_and_zero_steps_export_no_recovery(tmp_path):
+    cal = json.loads  # noqa: F841
+    frozen = _job(tmp_path, "frozen", steps=4, train_lra=False)
+    trained = _job(tmp_path, "trained", steps=4, train_lra=True)
+    start, _ = load_pretrained(tmp_path / "frozen.calibration")
+    s0 = adapter_set(start).state_dict()
+    sf = adapter_set(load_pretrained(tmp_path / "frozen")[0]).state_dict()
+    st = adapter_set(load_pretrained(tmp_path / "trained")[0]).state_dict()
+    assert all(torch.equal(s0[k], sf[k]) for k in s0)
+    assert any(not torch.allclose(s0[k], st[k]) for k in s0)
+    assert frozen.report["recovered"] and trained.report["recovered"]
+    none = _job(tmp_path, "none", steps=0)
+    assert none.report["steps"] == 0 and not none.report["recovered"]
+    assert json.loads((tmp_path / "none" / "shift_config.json").read_text())["recovered"] is False
+
+
+def test_chunked_loss_equals_full_logits_and_alpaca_targets_the_response(tmp_path):
+    from shift_lightning.data import make_alpaca_windows
+    from shift_lightning.models import build_tiny_model
+    from shift_lightning.nll import lm_nll_sum, token_nll
+
+    model, tok = build_tiny_model("llama", dtype=torch.float64)
+    records = [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+               {"instruction": "Say hello.", "input": "", "output": "Hello there, friend."}]
+    win = make_alpaca_windows(records, tok, TextDataConfig(format="alpaca", num_samples=2, seq_len=400, seed=0))
+    ids, mask, tgt = win.input_ids, win.attention_mask, win.loss_mask
+    # the targets are exactly the response tokens (+ EOS) of each record
+    for i in range(2):
+        n_resp = int(tgt[i].sum())
+        resp = tok.decode(ids[i][tgt[i].bool()][:-1])
+        assert resp in ("5", "Hello there, friend.") and n_resp >= 2
+    out = model.model(input_ids=ids, attention_mask=mask)
+    logits = model.lm_head(out.last_hidden_state)
+    nll, _ = token_nll(logits, ids, mask)
+    valid = tgt[:, 1:].bool() & mask[:, :-1].bool()
+    ref = (nll * valid).sum()
+    s, n = lm_nll_sum(out.last_hidden_state, model.lm_head, ids, mask, chunk_tokens=7, loss_mask=tgt)
+    assert int(n) == int(valid.sum())
+    assert_close(s.double(), ref, rtol=1e-6, atol=1e-8)
+    # gradients through the checkpointed chunks equal the full computation
+    w = model.lm_head.weight
+    w.requires_grad_(True)
+    g1 = torch.autograd.grad(lm_nll_sum(out.last_hidden_state.detach(), model.lm_head, ids, mask, 5, loss_mask=tgt)[0], w)[0]
+    g2 = torch.autograd.grad((token_nll(model.lm_head(out.last_hidden_state.detach()), ids, mask)[0] * valid).sum(), w)[0]
+    assert_close(g1.double(), g2, rtol=1e-5, atol=1e-7)

@@ -47,3 +47,27 @@ def test_grid_runs_resumes_and_renders(tmp_path):
     render(folder, cfg)
     assert "block_influence/affine" in json.loads((tmp_path / "tiny.json").read_text())["info"]["pending"]
     assert "| block_influence | +affine | " in (tmp_path / "tiny.md").read_text()
+
+
+def test_ablations_run_and_render_on_a_tiny_model(tmp_path):
+    from shift_lightning.recipes.ablations import AblationConfig, run
+    from shift_lightning.recipes.reproduce import ReproduceConfig
+
+    grid = ReproduceConfig(model="tiny", tiny={"family": "llama", "num_hidden_layers": 8, "max_position_embeddings": 512},
+                           calib_samples=4, seq_len=64, select_samples=4, select_seq_len=32, ppl_windows=2,
+                           text_source=str(ROOT / "tests" / "data" / "tiny_corpus.txt"),
+                           eval_data_dir=str(ROOT / "tests" / "data" / "eval_tiny"),
+                           ppl_sets=[str(ROOT / "tests" / "data" / "tiny_heldout.txt")], out=str(tmp_path / "paper"))
+    cfg = AblationConfig(model="tiny", criteria=["reverse_star"], samples=[2, 4, 8], ranks=[4], ratios=[0.25, 0.5],
+                         dampings=[1e-4, 1e-2], domains=["wiki_summaries"], docs=3, out=str(tmp_path / "abl"), grid=grid)
+    folder = run(cfg)
+    runs = sorted(p.stem for p in (folder / "reverse_star").glob("*.json"))
+    assert runs == sorted(["pruned", "samples=2", "samples=4", "samples=8", "mode=sequential", "granularity=span",
+                           "rank=4", "damping=0.0001", "damping=0.01", "ratio=0.5_pruned", "ratio=0.5_lra"])
+    s4 = json.loads((folder / "reverse_star" / "samples=4.json").read_text())
+    d4 = json.loads((folder / "reverse_star" / "damping=0.0001.json").read_text())
+    # the N-window statistics summed chunk by chunk equal the default calibration (same windows)
+    assert abs(s4["perplexity"][grid.ppl_sets[0]]["ppl"] - d4["perplexity"][grid.ppl_sets[0]]["ppl"]) < 1e-4
+    md = (tmp_path / "abl" / "tiny.md").read_text()
+    assert "## Calibration samples" in md and "| reverse_star | ratio=0.5/lra |" in md
+    assert (tmp_path / "abl" / "tiny.png").exists()

@@ -56,6 +56,9 @@ class _EvalCallback(pl.Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+        import torch
+
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
         self.history.append({"point": point, "step": trainer.global_step, "epoch": trainer.current_epoch,
                              "metrics": metrics, "results": res})
         return res

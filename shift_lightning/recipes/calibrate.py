@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import lightning as L
 from torch import nn
@@ -28,7 +28,8 @@ from ..errors import ConfigError
 from ..models import ModelConfig, num_params
 from ..outputs import prepare_output, publish_dir
 from ..selection import select_blocks
-from ..surgery import apply_correction, load_pretrained, pruned_positions, remove_blocks, save_pretrained
+from ..surgery import (apply_correction, load_pretrained, pruned_positions, remove_blocks, save_adapters,
+                       save_pretrained)
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,11 @@ def check_early(prune: PruneConfig, data: TextDataConfig, calibration: Calibrati
         raise ConfigError(f"--calibration.damping must be > 0, got {calibration.damping}")
 
 
-def make_trainer_factory(trainer: dict | None) -> Callable[[], L.Trainer]:
+def make_trainer_factory(trainer: dict | L.Trainer | None) -> Callable[[], L.Trainer]:
+    """One Trainer for every pass: a given one (``train.py`` calibrates on its training Trainer),
+    or one built from ``trainer`` keyword arguments over :data:`TRAINER_DEFAULTS`."""
+    if isinstance(trainer, L.Trainer):
+        return lambda: trainer
     kwargs = {**TRAINER_DEFAULTS, **(trainer or {})}
     cache: list[L.Trainer] = []
 
@@ -89,14 +94,15 @@ def run_calibration(
     heldout: TextDataConfig | None = None,
     prune: PruneConfig | None = None,
     calibration: CalibrationConfig | None = None,
-    trainer: dict | None = None,
+    trainer: dict | L.Trainer | None = None,
     output_dir: str | None = None,
     overwrite: bool = False,
-    save_model: bool = True,
+    save_model: bool | Literal["adapters"] = True,
     built: tuple | None = None,
     evaluate=None,
     evaluate_baselines: bool = False,
     resolved_config: str | None = None,
+    extra_files: dict[str, Any] | None = None,
 ) -> CalibrationResult:
     """Prune + calibrate; write the corrected model and ``calibration_report.json`` to ``output_dir``.
 
@@ -105,6 +111,8 @@ def run_calibration(
     perplexity sets) evaluates the corrected model, and with ``evaluate_baselines`` also the
     original and the pruned-without-adapters model, on the same Trainer (1 or N processes).
     ``resolved_config`` (YAML text) is saved as ``config.yaml`` next to the outputs.
+    ``save_model="adapters"`` writes an adapter-only folder (the base model is named, not copied).
+    ``trainer``: Trainer keyword arguments, or a built Trainer to run every pass on.
     """
     model_cfg, data = model or ModelConfig(), data or TextDataConfig()
     heldout = heldout if heldout is not None else default_heldout()
@@ -182,8 +190,14 @@ def run_calibration(
                 "base_model": report["model"], "criterion": selection.criterion, "correction": calibration.kind}
 
         def write(tmp: Path):
-            if save_model:
+            if save_model == "adapters":
+                kept = [i for i in range(n_layers) if i not in set(selection.layers)]
+                save_adapters(lm, tok, tmp, spec, asdict(model_cfg),
+                              {kept.index(i): T for i, T in correction.branch_maps.items()})
+            elif save_model:
                 save_pretrained(lm, tok, tmp, spec)
+            for name, doc in (extra_files or {}).items():
+                (tmp / name).write_text(json.dumps(doc, indent=2))
             (tmp / "calibration_report.json").write_text(json.dumps(report, indent=2))
             (tmp / "calibration_report.md").write_text(report_markdown(report))
             if resolved_config:

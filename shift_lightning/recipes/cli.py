@@ -90,12 +90,7 @@ def _output_args(p: LightningArgumentParser, what: str) -> None:
 
 def calibrate_parser() -> LightningArgumentParser:
     p = _parser("Depth-prune a causal LM and calibrate Linear Residual Adapters in closed form.")
-    p.add_class_arguments(ModelConfig, "model", help="Where the model comes from")
-    p.add_class_arguments(TextDataConfig, "data", help="Calibration text")
-    p.add_class_arguments(TextDataConfig, "heldout", help="Held-out text for per-site errors")
-    p.set_defaults({f"heldout.{k}": v for k, v in vars(default_heldout()).items()})
-    p.add_class_arguments(PruneConfig, "prune", help="Which blocks to remove")
-    p.add_class_arguments(CalibrationConfig, "calibration", help="How adapters are fitted")
+    _calibration_groups(p)
     p.add_class_arguments(EvalConfig, "evaluate", help="Evaluate the corrected model afterwards "
                           "(off unless --evaluate.tasks or --evaluate.ppl is set)")
     p.set_defaults({"evaluate.tasks": "", "evaluate.ppl": None})
@@ -118,22 +113,40 @@ def evaluate_parser() -> LightningArgumentParser:
     return p
 
 
+def _calibration_groups(p: LightningArgumentParser) -> None:
+    """``--model.* --data.* --heldout.* --prune.* --calibration.*``: shared by calibrate.py and train.py."""
+    p.add_class_arguments(ModelConfig, "model", help="Where the model comes from")
+    p.add_class_arguments(TextDataConfig, "data", help="Calibration text")
+    p.add_class_arguments(TextDataConfig, "heldout", help="Held-out text for per-site errors")
+    p.set_defaults({f"heldout.{k}": v for k, v in vars(default_heldout()).items()})
+    p.add_class_arguments(PruneConfig, "prune", help="Which blocks to remove")
+    p.add_class_arguments(CalibrationConfig, "calibration", help="How adapters are fitted")
+
+
 def train_parser() -> LightningArgumentParser:
     from ..recovery import RecoveryConfig
     from .train import RECOVERY_TRAINER_DEFAULTS
 
-    p = _parser("Recover a pruned + corrected model with LoRA / partial-layer fine-tuning, optionally "
-                "training the LRAs.")
-    p.add_class_arguments(ModelConfig, "model", help="The corrected model (a calibrate.py output folder)")
-    p.add_class_arguments(TextDataConfig, "data", help="Fine-tuning text")
+    p = _parser("One job from a model to a recovered model: select blocks, prune, calibrate the LRAs, then "
+                "recover with LoRA / partial-layer fine-tuning (LRAs optionally trained). Given a calibrated "
+                "folder as --model.name_or_path, calibration is skipped.")
+    _calibration_groups(p)
+    p.add_class_arguments(TextDataConfig, "train_data", help="Fine-tuning data (text or Alpaca records)")
+    p.set_defaults({"train_data.num_samples": 256, "train_data.seed": 1})
     p.add_class_arguments(TextDataConfig, "val", help="Validation text (val/ppl in TensorBoard)")
     p.set_defaults({f"val.{k}": v for k, v in vars(default_heldout()).items()})
     p.add_class_arguments(RecoveryConfig, "recovery", help="What trains and how")
+    p.add_class_arguments(EvalConfig, "zeroshot", help="Zero-shot accuracy logged at step 0 and at every "
+                          "validation (zeroshot/<task>, zeroshot/avg); --zeroshot.tasks '' turns it off")
+    p.set_defaults({"zeroshot.limit": 100, "zeroshot.sample_seed": 1234, "zeroshot.ppl": None,
+                    "zeroshot.progress": False})
     p.add_lightning_class_args(Trainer, "trainer")
     p.set_defaults({f"trainer.{k}": v for k, v in RECOVERY_TRAINER_DEFAULTS.items()})
     p.set_defaults({"trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                                        "init_args": {"save_dir": "runs", "name": "recovery"}}})
     _output_args(p, "the recovered (merged) model")
+    p.add_argument("--ckpt_path", type=str | None, default=None,
+                   help="Resume training: 'last' (the job's own <output_dir>.ckpt/last.ckpt) or a checkpoint path")
     return p
 
 
@@ -268,7 +281,7 @@ def train_main(argv: list[str] | None = None):
     def run(args):
         import json
 
-        from .train import run_recovery
+        from .train import run_training, training_callbacks
 
         setup_logging()
         parser = train_parser()
@@ -276,14 +289,65 @@ def train_main(argv: list[str] | None = None):
         from .. import dist
         from ..outputs import prepare_output
 
-        if dist.launch_rank() == 0:
+        if dist.launch_rank() == 0 and cfg.ckpt_path is None:
             prepare_output(cfg.output_dir, cfg.overwrite)  # before building anything
         init = parser.instantiate_classes(cfg)  # instantiates logger / callbacks, not the Trainer itself
-        trainer = Trainer(**{k: v for k, v in vars(init.trainer).items() if not k.startswith("__")})
-        result = run_recovery(trainer, model=init.model, data=init.data, val=init.val, recovery=init.recovery,
-                              output_dir=cfg.output_dir, overwrite=cfg.overwrite, resolved_config=resolved)
+        tkw = {k: v for k, v in vars(init.trainer).items() if not k.startswith("__")}
+        every = tkw.get("val_check_interval") if isinstance(tkw.get("val_check_interval"), int) else None
+        zeroshot = init.zeroshot if init.zeroshot.tasks else None
+        tkw["callbacks"] = list(tkw.get("callbacks") or []) + training_callbacks(cfg.output_dir, zeroshot, every)
+        trainer = Trainer(**tkw)
+        result = run_training(trainer, model=init.model, data=init.data, heldout=init.heldout, prune=init.prune,
+                              calibration=init.calibration, train_data=init.train_data, val=init.val,
+                              recovery=init.recovery, output_dir=cfg.output_dir, overwrite=cfg.overwrite,
+                              ckpt_path=cfg.ckpt_path, resolved_config=resolved)
         if trainer.is_global_zero:
-            _summary([json.dumps(result.report, indent=2), f"Recovered model in {cfg.output_dir}/"])
+            r = result.report
+            _summary([f"{r['steps']} steps, {r['trainable_params']:,} trainable parameters, "
+                      f"val/ppl {r['metrics_before'].get('val/ppl', float('nan')):.4g} -> "
+                      f"{r['metrics_after'].get('val/ppl', float('nan')):.4g}"
+                      + (f", zeroshot/avg {r['metrics_before'].get('zeroshot/avg', float('nan')):.4f} -> "
+                         f"{r['metrics_after'].get('zeroshot/avg', float('nan')):.4f}" if zeroshot else ""),
+                      f"Recovered model in {cfg.output_dir}/ (recovery_report.json, config.yaml); calibration in "
+                      f"{cfg.output_dir}.calibration/; checkpoints in {cfg.output_dir}.ckpt/; "
+                      "TensorBoard: tensorboard --logdir runs"])
         return result
 
     return entry(run, argv)
+
+
+# --------------------------------------------------------------------------------------------
+# Recipes driven by one dataclass (python -m shift_lightning.recipes.<name>)
+# --------------------------------------------------------------------------------------------
+def rerun_command(module: str, cfg, always: tuple[str, ...] = ("model",),
+                  skip: tuple[str, ...] = ("out", "render_only", "grid")) -> str:
+    """The command that reproduces ``cfg``: the options that differ from the defaults (plus
+    ``always``); where the files went is not part of the result."""
+    import dataclasses
+    import json
+
+    default = type(cfg)()
+    parts = [f"python -m {module}"]
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.name in skip or (v == getattr(default, f.name) and f.name not in always):
+            continue
+        parts.append(f"--{f.name} {v if isinstance(v, str) else json.dumps(v)}")
+    return " ".join(parts)
+
+
+def dataclass_main(cfg_cls, run: Callable, description: str, argv: list[str] | None = None):
+    """Parse ``cfg_cls`` from the command line (with the entry points' conventions) and ``run`` it."""
+    import dataclasses
+
+    from jsonargparse import ArgumentParser
+
+    def go(args):
+        setup_logging()
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)
+        p = ArgumentParser(description=description, allow_abbrev=False, default_env=False)
+        p.add_class_arguments(cfg_cls, None)
+        init = p.instantiate_classes(p.parse_args(preprocess_argv(args, p)))
+        return run(cfg_cls(**{f.name: init[f.name] for f in dataclasses.fields(cfg_cls)}))
+
+    return entry(go, argv)

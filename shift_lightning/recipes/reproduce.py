@@ -25,7 +25,7 @@ import json
 import logging
 import platform
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -51,10 +51,10 @@ CRITERIA_ORDER = ("reverse_star", "angular", "taylor", "block_influence", "rever
                   "magnitude_l2", "ppl")
 #: Row variants and the calibration kind behind each.
 VARIANT_KIND = {"pruned": None, "lra": "residual", "nobias": "nobias", "affine": "affine",
-                "replaceme": "replaceme", "linearpatch": "linearpatch"}
+                "replaceme": "replaceme", "linearpatch": "linearpatch", "lra_guard": "residual+guard"}
 VARIANTS = tuple(VARIANT_KIND)
 LABELS = {"original": "original", "pruned": "pruned", "lra": "+LRA", "nobias": "+no bias", "affine": "+affine",
-          "replaceme": "+ReplaceMe", "linearpatch": "+LinearPatch"}
+          "replaceme": "+ReplaceMe", "linearpatch": "+LinearPatch", "lra_guard": "+LRA, guarded"}
 TASK_LABELS = {"arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag": "HellaSwag", "piqa": "PIQA",
                "winogrande": "WinoG", "boolq": "BoolQ", "openbookqa": "OBQA"}
 PPL_SETS = ("wiki_summaries", "lambada")
@@ -77,7 +77,7 @@ class ReproduceConfig:
     """Perplexity sets (columns of the table)."""
     criteria: list[str] = field(default_factory=lambda: list(CRITERIA_ORDER))
     """Criteria to run, in this order."""
-    variants: list[Literal["pruned", "lra", "nobias", "affine", "replaceme", "linearpatch"]] = field(
+    variants: list[Literal["pruned", "lra", "nobias", "affine", "replaceme", "linearpatch", "lra_guard"]] = field(
         default_factory=lambda: list(VARIANTS))
     """Row variants per criterion."""
     ratio: float = 0.25
@@ -102,6 +102,8 @@ class ReproduceConfig:
     """Scorer batch budget (default 8192; 2048 for vocabularies over 100k tokens)."""
     damping: float = 1e-4
     """Relative ridge damping of every fitted map."""
+    guard_every: int = 4
+    """``lra_guard``: every k-th calibration window is held out to choose the ridge strength per site."""
     out: str = "results/paper"
     """Where the per-run JSON files and the rendered tables go."""
     render_only: bool = False
@@ -111,16 +113,9 @@ class ReproduceConfig:
 
 
 def rerun_command(cfg: ReproduceConfig) -> str:
-    """The command that reproduces ``cfg``'s runs into ``results/paper`` (options that differ from the
-    defaults only; where the files went is not part of the result)."""
-    default = ReproduceConfig()
-    parts = ["python -m shift_lightning.recipes.reproduce"]
-    for f in fields(ReproduceConfig):
-        v = getattr(cfg, f.name)
-        if f.name in ("out", "render_only") or (v == getattr(default, f.name) and f.name != "model"):
-            continue
-        parts.append(f"--{f.name} {json.dumps(v) if not isinstance(v, str) else v}")
-    return " ".join(parts)
+    from .cli import rerun_command as command
+
+    return command("shift_lightning.recipes.reproduce", cfg)
 
 
 def _model_key(name: str) -> str:
@@ -231,7 +226,8 @@ def _run_criterion(cfg, lm, tok, ev, evaluator, crit, layers, missing, calib, he
     t0 = time.time()
     module = None
     if kinds:
-        module = CalibrationModule(model, layers, CalibrationConfig(damping=cfg.damping), kinds=kinds)
+        module = CalibrationModule(model, layers, CalibrationConfig(damping=cfg.damping, guard_every=cfg.guard_every),
+                                   kinds=kinds)
         module.calibrate(make_trainer(), calib, held, batch_size=4)
     cal_seconds = time.time() - t0
     remove_blocks(model, layers)
@@ -273,12 +269,18 @@ def _undo(model, corr, saved_down: dict) -> None:
 
 
 def _site_errors(module: CalibrationModule, kind: str) -> list[dict]:
+    """Per span: the held-out relative error of the whole-span map; per site, the guard's choice."""
     out = []
     for s in module.spans:
         e = s.report.get("span_errors", {}).get(kind, {})
         k = s.report.get("kinds", {}).get(kind, {})
-        out.append({"blocks": list(range(s.start, s.end)), "heldout_rel_error": e.get("heldout_rel_error"),
-                    "calib_rel_error": k.get("calib_rel_error")})
+        row = {"blocks": list(range(s.start, s.end)), "heldout_rel_error": e.get("heldout_rel_error"),
+               "calib_rel_error": k.get("calib_rel_error")}
+        if kind.endswith("+guard"):
+            base = kind.removesuffix("+guard")
+            row["guard"] = {str(t.start): t.report.get("guard", {}).get(base) for t in module.sites
+                            if s.start <= t.start < s.end}
+        out.append(row)
     return out
 
 
@@ -459,22 +461,19 @@ def plot(rows: list[dict], folder: Path, cfg: ReproduceConfig) -> None:
     plt.close(fig)
 
 
+def _done(folder: Path) -> str:
+    return f"Tables in {folder.with_suffix('.md')} and {folder.with_suffix('.json')}; runs in {folder}/"
+
+
 def main(argv: list[str] | None = None):
-    from jsonargparse import ArgumentParser
+    from .cli import dataclass_main
 
-    from .cli import entry, preprocess_argv, setup_logging
+    def go(cfg: ReproduceConfig):
+        out = run(cfg)
+        print(_done(out))
+        return out
 
-    def go(args):
-        setup_logging()
-        p = ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False, default_env=False)
-        p.add_class_arguments(ReproduceConfig, None)
-        ns = p.parse_args(preprocess_argv(args, p))
-        cfg = ReproduceConfig(**{f.name: ns[f.name] for f in fields(ReproduceConfig)})
-        folder = run(cfg)
-        print(f"Tables in {folder.with_suffix('.md')} and {folder.with_suffix('.json')}; runs in {folder}/")
-        return folder
-
-    return entry(go, argv)
+    return dataclass_main(ReproduceConfig, go, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

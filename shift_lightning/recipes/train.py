@@ -1,88 +1,223 @@
-"""The recovery recipe: fine-tune a corrected model (LoRA / partial / LRAs) and export it merged."""
+"""The training recipe: one job from a model to a recovered model.
+
+    model (HF id / folder / embedded name)  ──select, prune, calibrate (same Trainer, same DDP ranks)──>
+        <output_dir>.calibration/   report + adapter-only folder (reused when the job is run again)
+    ──recover (LoRA / partial / LRAs; TensorBoard: val/ppl, zeroshot/*, train/*)──>
+        <output_dir>.ckpt/last.ckpt  trainable tensors + optimizer + scheduler + loop (also on a stop)
+    ──export──> <output_dir>/        merged model + recovery_report.json + config.yaml
+
+Given a calibrated folder (``calibrate.py`` output or ``<output_dir>.calibration``) as
+``--model.name_or_path``, the calibration stage is skipped. ``--ckpt_path last`` resumes.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning as L
+from lightning.pytorch.strategies import FSDPStrategy
 
 from .. import dist
+from ..arch import decoder_layers
+from ..calibration import CalibrationConfig
+from ..criteria import PruneConfig
 from ..data import TextDataConfig, build_windows
+from ..errors import ConfigError
+from ..evaluation.runner import EvalConfig
 from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
 from ..recovery import RecoveryConfig, RecoveryData, RecoveryModule
 from ..surgery import is_shift_folder, load_pretrained, read_shift_config
 
-#: Trainer defaults for recovery (TensorBoard logs under runs/recovery).
+log = logging.getLogger(__name__)
+
+#: Trainer defaults for training (TensorBoard logs under runs/recovery; --trainer.* overrides them).
 RECOVERY_TRAINER_DEFAULTS: dict = dict(
     accelerator="auto", devices=1, max_steps=100, val_check_interval=50, check_val_every_n_epoch=None,
-    use_distributed_sampler=False, enable_checkpointing=False, log_every_n_steps=5, gradient_clip_val=1.0,
-    inference_mode=False,
+    use_distributed_sampler=False, log_every_n_steps=5, gradient_clip_val=1.0, inference_mode=False,
+    num_sanity_val_steps=0, enable_model_summary=False,
 )
 
 
 @dataclass
 class RecoveryResult:
     report: dict
-    """Trainable parameters, steps, metrics before / after, seconds (also ``recovery_report.json``)."""
+    """Trainable parameters, steps, metrics before / after, loss history, seconds (``recovery_report.json``)."""
     module: RecoveryModule
     output_dir: Path | None = None
 
 
-def run_recovery(
+def calibration_dir(output_dir: str | Path) -> Path:
+    out = Path(output_dir)
+    return out.with_name(out.name + ".calibration")
+
+
+def checkpoint_dir(output_dir: str | Path) -> Path:
+    out = Path(output_dir)
+    return out.with_name(out.name + ".ckpt")
+
+
+def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, output_dir: str | None,
+                      overwrite: bool, resolved_config: str | None):
+    """``(model, tokenizer, spec)``: a calibrated folder as given, the job's own earlier calibration,
+    or a fresh calibration on ``trainer`` written to ``<output_dir>.calibration``."""
+    from .calibrate import run_calibration
+
+    if model_cfg.tiny is None and is_shift_folder(model_cfg.name_or_path):
+        lm, tok = load_pretrained(model_cfg)
+        spec = read_shift_config(model_cfg.name_or_path)
+        log.info("Recovering the calibrated model in %s (no calibration)", model_cfg.name_or_path)
+        return lm, tok, spec
+    key = {"model": asdict(model_cfg), **{k: asdict(v) for k, v in calib.items()}}
+    cdir = calibration_dir(output_dir) if output_dir else None
+    if cdir is not None and is_shift_folder(cdir):
+        done = json.loads((cdir / "calibration_key.json").read_text()) if (cdir / "calibration_key.json").exists() else None
+        if done == json.loads(json.dumps(key)):
+            log.info("Reusing the calibration in %s (same model, data, pruning and calibration settings)", cdir)
+            lm, tok = load_pretrained(cdir)
+            return lm, tok, read_shift_config(cdir)
+        if not overwrite:
+            raise ConfigError(f"{cdir} holds a calibration with other settings; pass --overwrite to redo it or "
+                              "choose another --output_dir")
+    result = run_calibration(model=model_cfg, data=calib["data"], heldout=calib["heldout"], prune=calib["prune"],
+                             calibration=calib["calibration"], trainer=trainer, output_dir=str(cdir) if cdir else None,
+                             overwrite=True, save_model="adapters", resolved_config=resolved_config,
+                             extra_files={"calibration_key.json": key})
+    spec = {"original_num_layers": result.report["original_num_layers"],
+            "pruned_layers": result.report["pruned_layers"], "criterion": result.report["selection"]["criterion"],
+            "correction": calib["calibration"].kind}
+    return result.model, result.tokenizer, spec
+
+
+def run_training(
     trainer: L.Trainer,
     model: ModelConfig | None = None,
     data: TextDataConfig | None = None,
+    heldout: TextDataConfig | None = None,
+    prune: PruneConfig | None = None,
+    calibration: CalibrationConfig | None = None,
+    train_data: TextDataConfig | None = None,
     val: TextDataConfig | None = None,
     recovery: RecoveryConfig | None = None,
     output_dir: str | None = None,
     overwrite: bool = False,
+    ckpt_path: str | None = None,
     built: tuple | None = None,
     resolved_config: str | None = None,
 ) -> RecoveryResult:
-    """Fine-tune a corrected model (LoRA / partial / LRA only) and export it merged.
-
-    ``model`` usually points at a folder written by the calibration recipe. The Trainer comes
-    built (``--trainer.*``: devices, max_steps, logger = TensorBoard by default, callbacks).
-    """
-    model_cfg, data = model or ModelConfig(), data or TextDataConfig()
+    """The whole job (see the module docstring). ``trainer`` comes built (``--trainer.*``: devices,
+    strategy, precision, max_steps, logger, callbacks); ``built=(model, tokenizer, spec)`` injects an
+    already corrected model (tests, notebooks)."""
+    model_cfg = model or ModelConfig()
     recovery = recovery or RecoveryConfig()
-    if dist.launch_rank() == 0:
+    train_data = train_data or TextDataConfig(num_samples=256, seed=1)
+    if dist.launch_rank() == 0 and ckpt_path is None:
         prepare_output(output_dir, overwrite)
     t0 = time.time()
-    lm, tok = built if built is not None else load_pretrained(model_cfg)
-    spec = {}
-    if built is None and model_cfg.tiny is None and is_shift_folder(model_cfg.name_or_path):
-        spec = {k: v for k, v in read_shift_config(model_cfg.name_or_path).items()
-                if k not in ("adapters", "format_version")}
+    if built is not None:
+        lm, tok, spec = built
+    else:
+        calib = {"data": data or TextDataConfig(), "heldout": heldout or TextDataConfig(split="heldout", num_samples=16),
+                 "prune": prune or PruneConfig(), "calibration": calibration or CalibrationConfig()}
+        lm, tok, spec = _calibrated_model(trainer, model_cfg, calib, output_dir, overwrite, resolved_config)
+    spec = {k: v for k, v in spec.items() if k not in ("adapters", "format_version", "weights", "base_model",
+                                                       "branch_maps")}
+    spec.setdefault("original_num_layers", len(decoder_layers(lm)))
+    spec.setdefault("pruned_layers", [])
+    t_cal = time.time()
     mtype = lm.config.model_type
-    train_w = build_windows(data, tok, mtype)
+    train_w = build_windows(train_data, tok, mtype)
     val_w = build_windows(val, tok, mtype) if val is not None and val.num_samples > 0 else None
-    module = RecoveryModule(lm, recovery, spec.get("pruned_layers"), spec.get("original_num_layers"))
+    module = RecoveryModule(lm, recovery, spec.get("pruned_layers"), spec.get("original_num_layers"), tokenizer=tok)
     n_train = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    dm = RecoveryData(train_w, val_w, batch_size=data.batch_size, seed=data.seed)
-    if val_w is not None:
+    dm = RecoveryData(train_w, val_w, batch_size=train_data.batch_size, seed=recovery.seed)
+    before = {}
+    if val_w is not None and ckpt_path is None:  # one validation at step 0 (val/ppl, zeroshot/*)
         trainer.validate(module, datamodule=dm, verbose=False)
-    before = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    trainer.fit(module, datamodule=dm)
+        before = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    if trainer.max_steps != 0:
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)  # nothing unpickled
     after = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    steps = trainer.global_step
     report = {
-        "model": model_cfg.name_or_path, "recovery": asdict(recovery), "trainable_params": n_train,
-        "train_tokens_per_epoch": train_w.num_tokens, "steps": trainer.global_step,
-        "metrics_before": before, "metrics_after": after, "world_size": trainer.world_size,
-        "seconds": time.time() - t0,
+        "model": model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny},
+        "pruned_layers": spec["pruned_layers"], "recovery": asdict(recovery), "trainable_params": n_train,
+        "train_windows": len(train_w), "train_tokens_per_window": train_data.seq_len, "steps": steps,
+        "recovered": steps > 0, "metrics_before": before, "metrics_after": after,
+        "loss_history": module.loss_history, "world_size": trainer.world_size,
+        "seconds": {"calibration": t_cal - t0, "total": time.time() - t0},
     }
+    if steps == 0:
+        log.warning("No training step was taken (max_steps %s): the exported model is the calibrated one, "
+                    "marked \"recovered\": false", trainer.max_steps)
     if output_dir is not None and trainer.is_global_zero:
         def write(tmp: Path):
-            module.export(tmp, tok, {**spec, "original_num_layers": spec.get("original_num_layers"),
-                                     "pruned_layers": spec.get("pruned_layers", []), "recovered": True})
+            module.export(tmp, tok, {**spec, "recovered": steps > 0, "recovery_steps": steps})
             (tmp / "recovery_report.json").write_text(json.dumps(report, indent=2))
             if resolved_config:
                 (tmp / "config.yaml").write_text(resolved_config)
 
-        publish_dir(output_dir, write, kind="recovery", overwrite=overwrite)
+        publish_dir(output_dir, write, kind="recovery", overwrite=True)
     dist.barrier()
     return RecoveryResult(report, module, Path(output_dir) if output_dir else None)
+
+
+def training_callbacks(output_dir: str | None, zeroshot: EvalConfig | None, every_n_steps: int | None) -> list:
+    """Checkpoints of the trainable state (every validation and on a stop) and zero-shot accuracy."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ..evaluation.callbacks import ZeroShotAccuracy
+
+    cbs: list[Any] = []
+    if output_dir is not None:
+        ckpt = checkpoint_dir(output_dir)
+        cbs.append(ModelCheckpoint(dirpath=str(ckpt), filename="step{step}", save_top_k=0, save_last=True,
+                                   every_n_train_steps=every_n_steps or None, save_on_train_epoch_end=False,
+                                   auto_insert_metric_name=False))
+        cbs.append(CheckpointOnStop(ckpt))
+    if zeroshot is not None and zeroshot.tasks:
+        cbs.append(ZeroShotAccuracy(zeroshot, when=("validation_end",)))
+    return cbs
+
+
+class CheckpointOnStop(L.Callback):
+    """Write ``last.ckpt`` when training stops on an exception (Ctrl-C, a crash, a preempted job)."""
+
+    def __init__(self, dirpath: Path):
+        self.dirpath = Path(dirpath)
+
+    def on_exception(self, trainer, pl_module, exception):
+        if trainer.state.fn != "fit" or trainer.global_step == 0:
+            return
+        try:
+            trainer.save_checkpoint(str(self.dirpath / "last.ckpt"))
+            if trainer.is_global_zero:
+                log.warning("Stopped at step %d (%s): checkpoint in %s; resume with --ckpt_path last",
+                            trainer.global_step, type(exception).__name__, self.dirpath / "last.ckpt")
+        except Exception as e:  # never hide the original error
+            log.warning("Could not write a checkpoint on stop: %s", e)
+
+
+class DecoderFSDPStrategy(FSDPStrategy):
+    """FSDP that shards the model block by block: the auto-wrap policy is the model's own decoder-block
+    class, found at setup (``configs/llama8b_lora_fsdp.yaml``). ``use_orig_params`` keeps the frozen
+    base and the trainable LoRA / LRA tensors in the same flat parameters."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("use_orig_params", True)
+        super().__init__(**kwargs)
+
+    def _setup_model(self, model):
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        from ..arch import base_model
+
+        if "auto_wrap_policy" not in self.kwargs:  # model: the LightningModule holding the HF model
+            blocks = decoder_layers(base_model(model.model))
+            self.kwargs["auto_wrap_policy"] = ModuleWrapPolicy({type(blocks[0])})
+        return super()._setup_model(model)
