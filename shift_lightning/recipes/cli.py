@@ -44,10 +44,17 @@ def quiet_third_party() -> None:
     """Silence tips and warnings that say nothing to our users (called by entry points and tests)."""
     for msg in _QUIET:
         warnings.filterwarnings("ignore", message=msg)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)  # third-party API deprecations (jsonargparse, ...)
     # rank_zero_info: "GPU available: False", "TPU available", the litlogger tip, model summaries
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                  "lightning.pytorch.accelerators.cuda", "lightning.fabric.utilities.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # transformers / hub progress bars ("Loading weights", "Writing model shards") and tips
+    import transformers
+    from huggingface_hub.utils import disable_progress_bars
+
+    transformers.utils.logging.disable_progress_bar()
+    disable_progress_bars()
 
 
 def setup_logging() -> None:
@@ -203,9 +210,34 @@ def entry(run: Callable[[list[str]], object], argv: list[str] | None = None):
         raise SystemExit(2) from None
 
 
+def command_line_keys(argv: list[str]) -> set[str]:
+    """Dotted option names given on the command line itself (not by a ``--config`` file)."""
+    return {a[2:].split("=", 1)[0] for a in argv if a.startswith("--") and len(a) > 2
+            and a.split("=", 1)[0] not in ("--config", "--debug", "--print_config", "--help")}
+
+
+def resolve_prune_request(cfg: Namespace, given: set[str]) -> None:
+    """``prune.layers`` overrides ratio and criterion, so a command line that asks for a criterion or
+    ratio over a config with explicit layers would silently keep the config's layers. The command
+    line wins (said in the log); asking for both on the command line is an error."""
+    if cfg.get("prune") is None or cfg.prune.layers is None:
+        return
+    asked = sorted(k for k in given if k in ("prune.ratio", "prune.criterion"))
+    if not asked:
+        return
+    if "prune.layers" in given:
+        raise ConfigError(f"--prune.layers {list(cfg.prune.layers)} and --{' / --'.join(asked)} contradict each "
+                          "other: give explicit layers or ratio + criterion, not both")
+    logging.getLogger(__name__).warning(
+        "--%s given on the command line: selecting blocks with criterion %r, ratio %s instead of the "
+        "config's prune.layers %s", " / --".join(asked), cfg.prune.criterion, cfg.prune.ratio, list(cfg.prune.layers))
+    cfg.prune.layers = None
+
+
 def parse(parser: LightningArgumentParser, argv: list[str]) -> tuple[Namespace, str]:
-    """Parsed config and its fully resolved YAML."""
+    """Parsed config (command-line rules applied) and its fully resolved YAML."""
     cfg = parser.parse_args(preprocess_argv(argv, parser))
+    resolve_prune_request(cfg, command_line_keys(argv))
     try:
         resolved = parser.dump(cfg, skip_none=False)
     except Exception:  # e.g. objects that do not serialise; the run goes on without config.yaml
