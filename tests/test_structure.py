@@ -5,8 +5,6 @@ bare boolean flags, bare config names, one-line errors)."""
 from __future__ import annotations
 
 import ast
-import contextlib
-import io
 import subprocess
 import sys
 from pathlib import Path
