@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { echo "error: could not create $(VENV); on Debian/Ubuntu: apt-get install python3-venv"; exit 2; }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[dev]"
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 
 run: $(STAMP)  ## main job: 25% Reverse-order* pruning of SmolLM2-135M + closed-form LRAs, evaluated

@@ -58,7 +58,8 @@ def check_windows(model: nn.Module, windows: TokenWindows, option: str = "--data
     """Before any pass: refuse windows longer than the model's maximum positions, and warn when
     ``fitting`` windows give a site fewer tokens than the ``d + 1`` unknowns of each output of its
     map (the fit is then underdetermined: only the damping makes it unique)."""
-    check_seq_len(model, windows.input_ids.shape[1], f"{option}.seq_len")
+    longest = int(windows.attention_mask.sum(1).max()) if len(windows) else 0  # padding has no position
+    check_seq_len(model, longest, f"{option}.seq_len")
     d = model.config.hidden_size
     if fitting and windows.num_tokens < d + 1:
         log.warning("Calibration gives each site %d tokens, fewer than the d + 1 = %d unknowns per output of its "

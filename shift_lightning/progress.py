@@ -91,8 +91,8 @@ class StageProgress(ProgressBar):
         self._done += 1
         if self._bar is not None:
             self._bar.update(1)
-        elif time.monotonic() - self._last >= self.interval:
-            self._line()
+        elif time.monotonic() - self._last >= self.interval and self._done != self._total:
+            self._line()  # (the last step is reported by the closing line)
 
     def _end(self) -> None:
         if not self._enabled:
