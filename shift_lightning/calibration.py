@@ -54,6 +54,7 @@ from .surgery import contiguous_spans, pruned_positions
 
 log = logging.getLogger(__name__)
 
+
 def check_windows(model: nn.Module, windows: TokenWindows, option: str = "--data", fitting: bool = True) -> None:
     """Before any pass: refuse windows longer than the model's maximum positions, and warn when
     ``fitting`` windows give a site fewer tokens than the ``d + 1`` unknowns of each output of its

@@ -159,8 +159,8 @@ def _read_file(p: Path, field: str) -> list[str]:
     if p.suffix == ".txt":
         return [d.strip() for d in text.split("\n\n") if d.strip()]
     if p.suffix == ".jsonl":
-        return _records_to_texts([_loads(l, f"{p} line {i}") for i, l in enumerate(text.splitlines(), 1) if l.strip()],
-                                 field, str(p))
+        lines = [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+        return _records_to_texts([_loads(line, f"{p} line {i}") for i, line in lines], field, str(p))
     data = _loads(text, str(p))
     if isinstance(data, dict):
         data = data.get("data", list(data.values()))

@@ -112,7 +112,8 @@ class StageProgress(ProgressBar):
         elif self._done == 0:
             msg = f"{self._total or 'unknown number of'} steps"
         else:
-            pct = f"{100 * self._done / self._total:.0f}% ({self._done}/{self._total})" if self._total else f"{self._done}"
+            pct = (f"{100 * self._done / self._total:.0f}% ({self._done}/{self._total})" if self._total
+                   else f"{self._done}")
             eta = f", ETA {_hms((self._total - self._done) / rate)}" if rate and self._total else ""
             msg = f"{pct}, {rate:.2f} it/s, elapsed {_hms(elapsed)}{eta}"
         self.stream.write(f"[{time.strftime('%H:%M:%S')}] {self._name}: {msg}\n")

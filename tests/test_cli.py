@@ -52,11 +52,12 @@ def test_calibrate_errors_are_one_line(tmp_path, capsys):
     cases = [
         (["--config", "nope.yaml", *out], "Config file 'nope.yaml' not found"),  # bad config
         ([*tiny, "--calibration.damping", "0"], "--calibration.damping must be > 0"),
-        ([*tiny, "--data.source", "/no/such/corpus.txt"], "Calibration data not found: /no/such/corpus.txt"),  # bad data
+        ([*tiny, "--data.source", "/no/such/corpus.txt"], "Calibration data not found: /no/such/corpus.txt"),
         ([*tiny, "--data.source", str(binary)], f"{binary} is not UTF-8 text"),
         ([*tiny, "--data.num_samples", "100000"], "windows of 64 tokens fit in the text (asked for 100000)"),
         ([*tiny, "--data.seq_len", "300"], "--data.seq_len 300 exceeds the model's maximum positions (256"),
-        ([*tiny, "--model.tiny", "null", "--model.name_or_path", str(tampered)], f"{tampered}/shift_config.json is malformed JSON"),
+        ([*tiny, "--model.tiny", "null", "--model.name_or_path", str(tampered)],
+         f"{tampered}/shift_config.json is malformed JSON"),
         ([*tiny, "--model.tiny", "null", "--model.name_or_path", "./no/such/model"], "Model folder not found"),
     ]
     for argv, match in cases:

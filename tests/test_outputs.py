@@ -197,7 +197,8 @@ def test_entry_points_refuse_the_output_before_loading_the_model(entry, tmp_path
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    for out, match in [(f, "is a file"), (foreign, "not written by shift-lightning"), (f / "x", "Cannot write next to")]:
+    cases = [(f, "is a file"), (foreign, "not written by shift-lightning"), (f / "x", "Cannot write next to")]
+    for out, match in cases:
         with pytest.raises(SystemExit) as e:
             main(["--config", config, "--output_dir", str(out), "--overwrite"])
         err = capsys.readouterr().err
