@@ -84,6 +84,17 @@ def recover_leftovers(out: Path) -> list[str]:
     return done
 
 
+def _check_writable(path: Path, fix: str) -> None:
+    """Create ``path``'s parent and write (then delete) a probe file there: a read-only file system,
+    missing permissions or a parent that is a file fail here, before any compute."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.probe-"):
+            pass
+    except OSError as e:
+        raise OutputError(f"Cannot write next to {path} ({e.strerror or e}); {fix}") from e
+
+
 def prepare_output(output_dir: str | Path | None, overwrite: bool = False) -> Path | None:
     """Check ``output_dir`` before any work (see the module docstring); returns it as a Path."""
     if output_dir is None:
@@ -95,12 +106,7 @@ def prepare_output(output_dir: str | Path | None, overwrite: bool = False) -> Pa
                           "e.g. --output_dir outputs/run1")
     if out.exists() and not out.is_dir():
         raise OutputError(f"--output_dir {out} is a file, not a folder; choose another --output_dir")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.probe-"):
-            pass
-    except OSError as e:
-        raise OutputError(f"Cannot write next to {out} ({e.strerror or e}); choose a writable --output_dir") from e
+    _check_writable(out, "choose a writable --output_dir")
     recover_leftovers(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -175,12 +181,7 @@ def prepare_file(path: str | Path) -> Path:
     path = Path(path).expanduser()
     if path.is_dir():
         raise OutputError(f"{path} is a folder; name a file for the results")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.probe-"):
-            pass
-    except OSError as e:
-        raise OutputError(f"Cannot write {path} ({e.strerror or e}); choose a writable location") from e
+    _check_writable(path, "choose a writable location")
     return path
 
 
