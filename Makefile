@@ -1,7 +1,37 @@
-# shift-lightning: the commands of the README.
+# shift-lightning: the README's commands. Each target sets up .venv first (once; again when
+# pyproject.toml changes): a virtual environment with the CPU torch wheel and this package.
+#
+#   make run        the main job on the embedded default (SmolLM2-135M, 25% Reverse-order* + LRAs)
+#   make test       the test suite
+#   make reproduce  the paper's tables for MODEL (resumable; many CPU-hours)
+#
+# GPU machines: put the CUDA build of torch in first, e.g.
+#   make run TORCH_INDEX=https://download.pytorch.org/whl/cu126
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 MODEL ?= smollm2-135m
-PY ?= .venv/bin/python
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.shift-lightning-installed
 
-.PHONY: reproduce
-reproduce:  ## the paper's tables for MODEL (resumable; many CPU-hours)
+.PHONY: setup run test reproduce
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: Python >= 3.10 is needed (found " + sys.version.split()[0] + "); run make PYTHON=python3.11 ...")'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { echo "error: could not create $(VENV); on Debian/Ubuntu: apt-get install python3-venv"; exit 2; }
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+run: $(STAMP)  ## main job: 25% Reverse-order* pruning of SmolLM2-135M + closed-form LRAs, evaluated
+	$(PY) calibrate.py --config configs/smollm2_reverse_star.yaml --output_dir outputs/smollm2_rs --overwrite
+
+test: $(STAMP)  ## the test suite (tiny random models, 2-process DDP over gloo)
+	$(PY) -m pytest -q
+
+reproduce: $(STAMP)  ## the paper's tables for MODEL (resumable; many CPU-hours)
 	$(PY) -m shift_lightning.recipes.reproduce --model $(MODEL)

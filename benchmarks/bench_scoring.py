@@ -13,13 +13,13 @@ import argparse
 import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 
 from shift_lightning.evaluation import scoring as S
 from shift_lightning.evaluation.tasks import DEFAULT_TASKS, load_docs
 from shift_lightning.models import ModelConfig, load_model
+from shift_lightning.outputs import prepare_file, write_json_atomic
 
 
 def main() -> None:
@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--max_batch_tokens", type=int, default=8192)
     ap.add_argument("--out", default="results/bench_scoring.json")
     a = ap.parse_args()
+    prepare_file(a.out)  # writable, before any compute
 
     model, tok = load_model(ModelConfig(name_or_path=a.model))
     reqs = []
@@ -70,8 +71,7 @@ def main() -> None:
         "command": "python benchmarks/bench_scoring.py " + " ".join(
             f"--{k} {v}" for k, v in vars(a).items()),
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2))
+    write_json_atomic(a.out, res, indent=2)
     print(json.dumps({k: res[k] for k in ("requests", "input_tokens_unshared", "trie_tokens_shared",
                                           "requests_per_s", "speedup_vs_one_per_forward",
                                           "max_abs_loglik_diff_vs_one_per_forward")}, indent=2))

@@ -20,6 +20,7 @@ from shift_lightning.criteria import PruneConfig
 from shift_lightning.data import TextDataConfig
 from shift_lightning.evaluation.runner import EvalConfig
 from shift_lightning.models import ModelConfig, load_model
+from shift_lightning.outputs import prepare_file, write_json_atomic, write_text_atomic
 from shift_lightning.recipes.calibrate import run_calibration
 
 
@@ -31,6 +32,9 @@ def main():
     ap.add_argument("--ppl_windows", type=int, default=16)
     ap.add_argument("--out", default="results/criteria_lra_smollm2")
     a = ap.parse_args()
+    out = Path(a.out)
+    for f in (out.with_suffix(".json"), out.with_suffix(".md")):
+        prepare_file(f)  # writable, before any compute
     sel = json.loads(Path(a.selections).read_text())["selections"]
     model, tok = load_model(ModelConfig(name_or_path="smollm2-135m"))
     ev = EvalConfig(tasks="", ppl="wiki_summaries", ppl_seq_len=a.seq_len, ppl_max_windows=a.ppl_windows, progress=False)
@@ -58,9 +62,8 @@ def main():
             }
         rows.append({"criterion": name, "layers": layers, **seen[key]})
         print(rows[-1], flush=True)
-    out = Path(a.out)
     cmd = "python benchmarks/criteria_lra_table.py " + " ".join(f"--{k} {v}" for k, v in vars(a).items())
-    out.with_suffix(".json").write_text(json.dumps({"command": cmd, "seconds": time.time() - t0, "rows": rows}, indent=2))
+    write_json_atomic(out.with_suffix(".json"), {"command": cmd, "seconds": time.time() - t0, "rows": rows}, indent=2)
     md = ["# Criteria × LRA on SmolLM2-135M (25%: 7 of 30 blocks)", "", f"`{cmd}`", "",
           f"Calibration: {a.calib_samples} × {a.seq_len} wiki-summaries tokens (default pipeline: independent, "
           f"per-block full-rank LRAs merged, damping 1e-4). PPL: held-out wiki-summaries, {rows[0]['tokens']} scored "
@@ -70,7 +73,7 @@ def main():
     for r in rows:
         md.append(f"| {r['criterion']} | {r['layers']} | {r['adapters']} | {r['pruned']:.4g} | {r['pruned+lra']:.2f} | "
                   f"{r['heldout_rel_error_mean']:.3f} |")
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_text_atomic(out.with_suffix(".md"), "\n".join(md) + "\n")
     print("\n".join(md))
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import platform
 import sys
@@ -32,6 +31,7 @@ import torch  # noqa: E402
 from shift_lightning.criteria import CRITERIA, PruneConfig, Selection, candidates, lowest  # noqa: E402
 from shift_lightning.data import TextDataConfig, build_windows  # noqa: E402
 from shift_lightning.models import ModelConfig, decoder_layers, load_model  # noqa: E402
+from shift_lightning.outputs import prepare_file, write_json_atomic, write_text_atomic  # noqa: E402
 from shift_lightning.selection import select_blocks  # noqa: E402
 
 
@@ -75,6 +75,8 @@ def main() -> None:
     ap.add_argument("--criteria", default="all", help="comma-separated subset of the criteria")
     ap.add_argument("--out", default=str(ROOT / "results" / "criteria_smollm2"))
     args = ap.parse_args()
+    for f in (Path(args.out).with_suffix(".json"), Path(args.out).with_suffix(".md")):
+        prepare_file(f)  # writable, before any compute
     command = "python benchmarks/criteria_table.py" + "".join(f" {a}" for a in sys.argv[1:])
     t_start = time.time()
 
@@ -140,9 +142,8 @@ def main() -> None:
         "torch": torch.__version__, "total_s": round(total, 1), "command": command,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    json.dump({"setup": setup, "base_heldout_ppl": base, "rows": rows, "selections": selections},
-              open(out.with_suffix(".json"), "w"), indent=1)
+    write_json_atomic(out.with_suffix(".json"),
+                      {"setup": setup, "base_heldout_ppl": base, "rows": rows, "selections": selections})
 
     lines = [f"# Layer-selection criteria on SmolLM2-135M, ratio {args.ratio} (k = {setup['k']} of {num_layers} blocks)",
              "", f"Command: `{command}` ({total / 60:.1f} min, 2 CPU cores)", "",
@@ -155,7 +156,7 @@ def main() -> None:
     lines += ["", "Every block's score is in `criteria_smollm2.json` (`selections`). Times are wall-clock "
               "seconds of `select_blocks` (the `+` rows reuse the unguarded scores) on a machine that may be "
               "shared with other jobs."]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_text_atomic(out.with_suffix(".md"), "\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from shift_lightning.selection import select_blocks
 from shift_lightning.data import TextDataConfig, build_windows, load_texts, wants_bos
 from shift_lightning.evaluation.perplexity import build_windows as ppl_windows, window_nll
 from shift_lightning.models import ModelConfig, load_model
+from shift_lightning.outputs import prepare_file, write_json_atomic, write_text_atomic
 from shift_lightning.surgery import attach_adapters, remove_blocks
 
 
@@ -43,6 +43,9 @@ def main():
     ap.add_argument("--dampings", default="1e-6,1e-5,1e-4,1e-3,1e-2,1e-1")
     ap.add_argument("--out", default="results/damping_smollm2")
     a = ap.parse_args()
+    out = Path(a.out)
+    for f in (out.with_suffix(".json"), out.with_suffix(".md")):
+        prepare_file(f)  # writable, before any compute
     torch.manual_seed(0)
     model, tok = load_model(ModelConfig(name_or_path=a.model))
     mt = model.config.model_type
@@ -79,12 +82,10 @@ def main():
                      "calib_rel_error_mean": sum(cal) / len(cal), "heldout_rel_error_mean": sum(errs) / len(errs)})
         print(rows[-1], flush=True)
         del m
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python benchmarks/damping_sweep.py " + " ".join(f"--{k} {v}" for k, v in vars(a).items()),
             "model": a.model, "pruned_layers": sel.layers, "calibration_tokens": calib.num_tokens,
             "ppl_tokens": sum(w.n_scored for w in held_ppl), "seconds": time.time() - t0, "rows": rows}
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+    write_json_atomic(out.with_suffix(".json"), meta, indent=2)
     md = [f"# Damping sweep: {a.model}, {a.criterion} {a.ratio:.0%} (blocks {sel.layers})", "",
           f"`{meta['command']}`", "",
           f"Calibration: {calib.num_tokens:,} wiki-summaries tokens; perplexity: {meta['ppl_tokens']:,} held-out tokens.", "",
@@ -92,7 +93,7 @@ def main():
     for r in rows:
         md.append(f"| {r['variant']} | {r.get('damping', '')} | {r['ppl']:.2f} | {r.get('calib_rel_error_mean', float('nan')):.4f} "
                   f"| {r.get('heldout_rel_error_mean', float('nan')):.4f} |")
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_text_atomic(out.with_suffix(".md"), "\n".join(md) + "\n")
     print("\n".join(md))
 
 

@@ -36,6 +36,12 @@ def base_model(model: nn.Module) -> nn.Module:
     return getter() if callable(getter) else model
 
 
+def max_positions(model: nn.Module) -> int | None:
+    """The model's maximum positions (``config.max_position_embeddings``), or None if it has none."""
+    n = getattr(getattr(base_model(model), "config", None), "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """Return the ``nn.ModuleList`` of decoder blocks of a causal LM (``model.model.layers``).
 

@@ -44,7 +44,7 @@ from torch import nn
 
 from . import dist
 from .arch import block_input, block_output, decoder_layers, mlp_branch, swapped_blocks
-from .data import TokenWindows
+from .data import TokenWindows, check_seq_len
 from .errors import ConfigError
 from .lra import AdapterSpec, LinearResidualAdapter, merge_adapters
 from .passes import DataPass, sum_across_ranks
@@ -53,6 +53,21 @@ from .stats import RidgeStats, Solution, SolveError, guarded_solve, ridge_solve
 from .surgery import contiguous_spans, pruned_positions
 
 log = logging.getLogger(__name__)
+
+
+def check_windows(model: nn.Module, windows: TokenWindows, option: str = "--data", fitting: bool = True) -> None:
+    """Before any pass: refuse windows longer than the model's maximum positions, and warn when
+    ``fitting`` windows give a site fewer tokens than the ``d + 1`` unknowns of each output of its
+    map (the fit is then underdetermined: only the damping makes it unique)."""
+    longest = int(windows.attention_mask.sum(1).max()) if len(windows) else 0  # padding has no position
+    check_seq_len(model, longest, f"{option}.seq_len")
+    d = model.config.hidden_size
+    if fitting and windows.num_tokens < d + 1:
+        log.warning("Calibration gives each site %d tokens, fewer than the d + 1 = %d unknowns per output of its "
+                    "map: the fit is underdetermined (only the damping makes it unique). Raise %s.num_samples / "
+                    "%s.seq_len to at least %d tokens (ideally many times more).", windows.num_tokens, d + 1,
+                    option, option, d + 1)
+
 
 KINDS = ("residual", "nobias", "affine", "replaceme", "linearpatch")
 SITE_KINDS = ("residual", "nobias", "affine")
@@ -345,6 +360,8 @@ class CalibrationModule(DataPass):
         self._capture, self._bypass = capture, bypass
         self._capture_spans = spans or []
         self._fitting = fitting
+        self.stage = ("calibration statistics" if fitting else "held-out errors") \
+            + (" (sequential)" if self._mode == "cache" else "")
         self.run(trainer, windows, batch_size)
 
     # ---------------------------------------------------------------- sequential mode (GPTQ-style)
@@ -501,8 +518,14 @@ class CalibrationModule(DataPass):
             mine.stats.buffer += theirs.stats.buffer
 
     def calibrate(self, trainer: L.Trainer, windows: TokenWindows, heldout: TokenWindows | None = None,
-                  batch_size: int = 4) -> list[Site]:
-        """Run the statistics pass(es) and the solves; returns the solved sites (every rank identical)."""
+                  batch_size: int = 4, check: bool = True) -> list[Site]:
+        """Run the statistics pass(es) and the solves; returns the solved sites (every rank identical).
+
+        ``check``: :func:`check_windows` first (a caller that checked before its own passes skips it)."""
+        if check:
+            check_windows(self.model, windows)
+            if heldout is not None:
+                check_windows(self.model, heldout, "--heldout", fitting=False)
         t0 = time.time()
         if self.cfg.mode == "independent":
             self._run_pass(trainer, windows, self.sites if any(k in SITE_KINDS for k in self.kinds) else [], [],

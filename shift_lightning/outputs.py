@@ -1,6 +1,6 @@
 """Output folders: checked before any compute, written atomically, never clobbering foreign files.
 
-Used by every writer (calibration, evaluation, training, benchmarks, the paper grid):
+Used by every writer (calibration, evaluation, training, benchmarks, the paper grid, caches):
 
 * :func:`prepare_output` runs first, before a model is loaded: it refuses a path that is a file,
   an existing non-empty folder without ``--overwrite``, and, even with ``--overwrite``, a folder
@@ -12,6 +12,10 @@ Used by every writer (calibration, evaluation, training, benchmarks, the paper g
   exchange (``renameat2(RENAME_EXCHANGE)``) where the OS has one, otherwise two renames whose
   interruption :func:`prepare_output` repairs on the next start. A crash never leaves half a
   result, and an old result is only removed once the new one is complete.
+
+Single result files (benchmarks, the paper grid's runs and tables) are checked with
+:func:`prepare_file` before the compute and written with :func:`write_text_atomic` /
+:func:`write_json_atomic` (temporary sibling + atomic rename).
 
 Folders and files follow the process umask (``tempfile.mkdtemp`` alone would make them 0700).
 """
@@ -80,6 +84,17 @@ def recover_leftovers(out: Path) -> list[str]:
     return done
 
 
+def _check_writable(path: Path, fix: str) -> None:
+    """Create ``path``'s parent and write (then delete) a probe file there: a read-only file system,
+    missing permissions or a parent that is a file fail here, before any compute."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.probe-"):
+            pass
+    except OSError as e:
+        raise OutputError(f"Cannot write next to {path} ({e.strerror or e}); {fix}") from e
+
+
 def prepare_output(output_dir: str | Path | None, overwrite: bool = False) -> Path | None:
     """Check ``output_dir`` before any work (see the module docstring); returns it as a Path."""
     if output_dir is None:
@@ -91,12 +106,7 @@ def prepare_output(output_dir: str | Path | None, overwrite: bool = False) -> Pa
                           "e.g. --output_dir outputs/run1")
     if out.exists() and not out.is_dir():
         raise OutputError(f"--output_dir {out} is a file, not a folder; choose another --output_dir")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.probe-"):
-            pass
-    except OSError as e:
-        raise OutputError(f"Cannot write next to {out} ({e.strerror or e}); choose a writable --output_dir") from e
+    _check_writable(out, "choose a writable --output_dir")
     recover_leftovers(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -135,6 +145,13 @@ def _swap_in(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def make_temp_dir(parent: Path, prefix: str) -> Path:
+    """``tempfile.mkdtemp`` whose mode follows the umask (mkdtemp alone makes it 0700)."""
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=prefix))
+    os.chmod(tmp, 0o777 & ~_umask())
+    return tmp
+
+
 def publish_dir(output_dir: str | Path, write: Callable[[Path], None], kind: str = "output",
                 overwrite: bool = True) -> Path:
     """Write into a temporary sibling folder with ``write(tmp)``, add the marker, then swap it in.
@@ -144,8 +161,7 @@ def publish_dir(output_dir: str | Path, write: Callable[[Path], None], kind: str
     """
     out = Path(output_dir).expanduser()
     prepare_output(out, overwrite)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    os.chmod(tmp, 0o777 & ~_umask())
+    tmp = make_temp_dir(out.parent, f".{out.name}.tmp-")
     try:
         write(tmp)
         from . import __version__
@@ -159,11 +175,36 @@ def publish_dir(output_dir: str | Path, write: Callable[[Path], None], kind: str
     return out
 
 
-def write_json_atomic(path: str | Path, doc) -> Path:
-    """Write ``doc`` as JSON to ``path`` through a temporary sibling and an atomic rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+def prepare_file(path: str | Path) -> Path:
+    """Check, before any compute, that a result file can be written at ``path`` (its folder is
+    created and writable, ``path`` is not a folder); returns it as a Path."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise OutputError(f"{path} is a folder; name a file for the results")
+    _check_writable(path, "choose a writable location")
     return path
+
+
+def write_file_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """``write(tmp)`` into a temporary sibling of ``path``, then rename it over ``path`` atomically:
+    a reader (or a crash) never sees half a file."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (see :func:`write_file_atomic`)."""
+    return write_file_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def write_json_atomic(path: str | Path, doc, indent: int = 1) -> Path:
+    """Write ``doc`` as JSON to ``path`` atomically (see :func:`write_file_atomic`)."""
+    return write_text_atomic(path, json.dumps(doc, indent=indent, default=str) + "\n")

@@ -5,13 +5,10 @@ import pytest
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """Real SmolLM2-135M (embedded offline GGUF); skips when its wheel is not installed. Do not mutate."""
-    from shift_lightning.models import ModelConfig, ModelLoadError, load_model
+    """Real SmolLM2-135M (embedded offline GGUF, fetched into the cache on first use). Do not mutate."""
+    from shift_lightning.models import ModelConfig, load_model
 
-    try:
-        return load_model(ModelConfig(name_or_path="smollm2-135m"))
-    except ModelLoadError as e:
-        pytest.skip(str(e))
+    return load_model(ModelConfig(name_or_path="smollm2-135m"))
 
 
 def pytest_configure(config):

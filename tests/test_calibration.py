@@ -62,7 +62,7 @@ def _ridge(x, d, damping):
 
 @pytest.fixture(scope="module")
 def tiny64():
-    return build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
+    return build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64, max_position_embeddings=512)
 
 
 def test_independent_solution_equals_float64_reference(tiny64):

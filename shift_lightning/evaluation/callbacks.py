@@ -19,6 +19,7 @@ from typing import Sequence
 
 import lightning.pytorch as pl
 
+from ..errors import ConfigError
 from .runner import EvalConfig, Evaluator, evaluate_model, make_evaluator
 
 _WHEN = ("fit_start", "fit_end", "validation_end", "test_end", "predict_end")
@@ -32,7 +33,7 @@ class _EvalCallback(pl.Callback):
                  model_attr: str = "model", tokenizer_attr: str = "tokenizer"):
         bad = [w for w in when if w not in _WHEN]
         if bad:
-            raise ValueError(f"Unknown evaluation point(s) {bad}; choose from {_WHEN}")
+            raise ConfigError(f"Unknown evaluation point(s) {bad}; choose from {_WHEN}")
         self.cfg = cfg or self.default_config()
         self.tokenizer = tokenizer
         self.when = tuple(when)

@@ -68,7 +68,8 @@ def make_windows(ids: list[int], seq_len: int, stride: int | None = None, bos_id
     body = seq_len - (bos_id is not None)
     stride = stride or (body if bos_id is not None else body - 1)
     if body < 1 or not 0 < stride <= body:
-        raise ValueError(f"Need seq_len > BOS and 0 < stride <= seq_len - BOS (got seq_len={seq_len}, stride={stride})")
+        raise DataError(f"Perplexity windows need ppl_seq_len > BOS and 0 < ppl_stride <= ppl_seq_len - BOS "
+                        f"(got seq_len={seq_len}, stride={stride})")
     out: list[Window] = []
     prev_end, begin, n = 0, 0, len(ids)
     while begin < n and (max_windows is None or len(out) < max_windows):

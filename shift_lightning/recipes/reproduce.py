@@ -40,7 +40,7 @@ from ..evaluation.runner import EvalConfig, evaluate_model, make_evaluator
 from ..evaluation.tasks import DEFAULT_TASKS
 from ..evaluation.trunk import TrunkCache
 from ..models import ModelConfig, num_params
-from ..outputs import write_json_atomic
+from ..outputs import prepare_file, write_file_atomic, write_json_atomic, write_text_atomic
 from ..selection import select_blocks
 from ..surgery import apply_correction, detach_adapters, remove_blocks
 
@@ -167,7 +167,7 @@ def run(cfg: ReproduceConfig) -> Path:
     if bad:
         raise ConfigError(f"Unknown criteria {bad}; choose from {', '.join(CRITERIA_ORDER)}")
     folder = Path(cfg.out) / _model_key(cfg.model)
-    folder.mkdir(parents=True, exist_ok=True)
+    prepare_file(folder / "original.json")  # writable, before the model is loaded
     if cfg.render_only:
         render(folder, cfg)
         return folder
@@ -339,7 +339,7 @@ def render(folder: Path, cfg: ReproduceConfig | None = None) -> None:
             "pending": [f"{c}/{v}" for c in cfg.criteria for v in cfg.variants
                         if not (folder / c / f"{v}.json").exists()]}
     write_json_atomic(folder.with_suffix(".json"), {"info": info, "rows": rows})
-    folder.with_suffix(".md").write_text(markdown(rows, info, cfg))
+    write_text_atomic(folder.with_suffix(".md"), markdown(rows, info, cfg))
     try:
         plot(rows, folder, cfg)
     except ImportError:  # matplotlib is optional
@@ -457,12 +457,18 @@ def plot(rows: list[dict], folder: Path, cfg: ReproduceConfig) -> None:
     fig.suptitle(f"{orig.get('model', folder.name)}: {int(100 * cfg.ratio)}% depth pruning "
                  f"({folder.name}; bars: 95% bootstrap intervals)")
     fig.tight_layout()
-    fig.savefig(folder.with_name(folder.name + ".png"), dpi=110)
+    write_file_atomic(folder.with_name(folder.name + ".png"), lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
 
 
 def _done(folder: Path) -> str:
     return f"Tables in {folder.with_suffix('.md')} and {folder.with_suffix('.json')}; runs in {folder}/"
+
+
+def reproduce_parser():
+    from .cli import dataclass_parser
+
+    return dataclass_parser(ReproduceConfig, __doc__.splitlines()[0])
 
 
 def main(argv: list[str] | None = None):

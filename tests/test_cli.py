@@ -1,0 +1,225 @@
+"""What a person sees at the command line: one-line errors with exit status 2 from every entry point,
+bare boolean flags everywhere, descriptions in --help, explicit choices between the command line and
+the config, warnings before a pass, and progress lines that name their stage in a log file."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from shift_lightning.recipes import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = str(ROOT / "tests" / "data" / "tiny_corpus.txt")
+
+
+@pytest.fixture(autouse=True)
+def _at_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the configs name their data relative to the repository
+
+
+def _parsers():
+    from shift_lightning.recipes.reproduce import reproduce_parser
+
+    return {"calibrate": cli.calibrate_parser, "evaluate": cli.evaluate_parser, "train": cli.train_parser,
+            "reproduce": reproduce_parser}
+
+
+def _one_line_error(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.startswith("error: ") and "Traceback" not in err and "--debug" in err, err
+    return err.splitlines()[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# One-line errors (exit 2) from every entry point; --debug shows the traceback
+# ------------------------------------------------------------------------------------------------
+def test_calibrate_errors_are_one_line(tmp_path, capsys):
+    out = ["--output_dir", str(tmp_path / "o")]
+    tiny = ["--config", "tiny.yaml", *out, "--trainer.enable_progress_bar", "false"]
+    binary = tmp_path / "corpus.txt"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    tampered = tmp_path / "model"
+    tampered.mkdir()
+    (tampered / "shift_config.json").write_text("{not json")
+    cases = [
+        (["--config", "nope.yaml", *out], "Config file 'nope.yaml' not found"),  # bad config
+        ([*tiny, "--calibration.damping", "0"], "--calibration.damping must be > 0"),
+        ([*tiny, "--data.source", "/no/such/corpus.txt"], "Calibration data not found: /no/such/corpus.txt"),
+        ([*tiny, "--data.source", str(binary)], f"{binary} is not UTF-8 text"),
+        ([*tiny, "--data.num_samples", "100000"], "windows of 64 tokens fit in the text (asked for 100000)"),
+        ([*tiny, "--data.seq_len", "300"], "--data.seq_len 300 exceeds the model's maximum positions (256"),
+        ([*tiny, "--model.tiny", "null", "--model.name_or_path", str(tampered)],
+         f"{tampered}/shift_config.json is malformed JSON"),
+        ([*tiny, "--model.tiny", "null", "--model.name_or_path", "./no/such/model"], "Model folder not found"),
+    ]
+    for argv, match in cases:
+        line = _one_line_error(cli.calibrate_main, argv, capsys)
+        assert match in line, (match, line)
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(Exception) as e:  # --debug: the exception itself, with its traceback
+        cli.calibrate_main([*tiny, "--calibration.damping", "0", "--debug"])
+    assert "damping" in str(e.value)
+
+
+def test_failed_solve_is_one_line(tmp_path, capsys, monkeypatch):
+    from shift_lightning import calibration, stats
+
+    def failing(*a, **k):
+        raise stats.SolveError("site 0 (blocks 2..2): Cholesky failed; raise --calibration.damping")
+
+    monkeypatch.setattr(calibration, "ridge_solve", failing)
+    line = _one_line_error(cli.calibrate_main, ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"),
+                                                "--trainer.enable_progress_bar", "false"], capsys)
+    assert "Cholesky failed; raise --calibration.damping" in line and not (tmp_path / "o").exists()
+
+
+def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
+    from shift_lightning.recipes import calibrate
+
+    def bug(**k):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(calibrate, "run_calibration", bug)
+    with pytest.raises(ZeroDivisionError):
+        cli.calibrate_main(["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o")])
+
+
+def test_evaluate_train_and_reproduce_errors_are_one_line(tmp_path, capsys):
+    ev = ["--config", "eval_tiny.yaml", "--output_dir", str(tmp_path / "e")]
+    assert "Valid task names" in _one_line_error(cli.evaluate_main, [*ev, "--tasks", "arc_hard"], capsys)
+    assert "Data for task 'piqa' not found" in _one_line_error(
+        cli.evaluate_main, [*ev, "--tasks", "piqa", "--data_files", f'{{"piqa": "{tmp_path}/none.jsonl"}}'], capsys)
+    assert "--ppl_seq_len 4096 exceeds the model's maximum positions (2048" in _one_line_error(
+        cli.evaluate_main, [*ev, "--ppl_seq_len", "4096"], capsys)
+    assert "Model folder not found" in _one_line_error(
+        cli.evaluate_main, [*ev, "--model.tiny", "null", "--model.name_or_path", "./no/model"], capsys)
+    assert "Model folder not found" in _one_line_error(
+        cli.train_main, ["--config", "tiny_lora.yaml", "--model.name_or_path", "./no/model", "--output_dir",
+                         str(tmp_path / "t")], capsys)
+    from shift_lightning.recipes import reproduce
+
+    assert "Unknown criteria ['nope']" in _one_line_error(
+        reproduce.main, ["--criteria", '["nope"]', "--out", str(tmp_path / "p")], capsys)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bare boolean flags and --help on every entry point
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["calibrate", "evaluate", "train", "reproduce"])
+def test_every_boolean_option_works_as_a_bare_flag(name):
+    parser = _parsers()[name]()
+    flags = sorted({s for a in parser._actions if cli._is_bool(getattr(a, "_typehint", None))
+                    for s in a.option_strings if s.startswith("--")})
+    assert ("--render_only" if name == "reproduce" else "--overwrite") in flags, flags
+    base = [] if name == "reproduce" else ["--output_dir", "/tmp/unused"]
+    if name == "train":
+        base += ["--model.name_or_path", "x"]
+    for flag in flags:
+        key = flag[2:]
+        assert parser.parse_args(cli.preprocess_argv([*base, flag], parser))[key] is True, flag  # bare, last
+        assert parser.parse_args(cli.preprocess_argv([flag, *base], parser))[key] is True, flag  # bare, then options
+        assert parser.parse_args(cli.preprocess_argv([*base, flag, "false"], parser))[key] is False, flag
+
+
+@pytest.mark.parametrize("name,expect", [
+    ("calibrate", ["Relative ridge damping", "Fraction of blocks to remove", "{independent,sequential}"]),
+    ("evaluate", ["Tokens per perplexity window", "Evaluate only N docs per task"]),
+    ("train", ["LoRA rank", "Also train the Linear Residual Adapters"]),
+    ("reproduce", ["Docs per zero-shot task", "Only render the tables"]),
+])
+def test_help_shows_every_knob_with_its_description(name, expect):
+    text = " ".join(_parsers()[name]().format_help().split())
+    for e in expect:
+        assert e in text, (name, e)
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line vs config
+# ------------------------------------------------------------------------------------------------
+def test_command_line_criterion_over_config_layers_wins_and_says_so(tmp_path, caplog):
+    p = cli.calibrate_parser()
+    out = ["--output_dir", str(tmp_path / "o")]
+    cfg, resolved = cli.parse(p, ["--config", "tiny.yaml", *out])
+    assert cfg.prune.layers == [2, 3]  # the config's explicit layers
+    with caplog.at_level(logging.WARNING):
+        cfg, resolved = cli.parse(p, ["--config", "tiny.yaml", *out, "--prune.criterion", "angular",
+                                      "--prune.ratio", "0.5"])
+    assert cfg.prune.layers is None and cfg.prune.criterion == "angular" and "layers: null" in resolved
+    assert re.search(r"--prune.criterion / --prune.ratio given on the command line: selecting blocks with "
+                     r"criterion 'angular', ratio 0.5 instead of the config's prune.layers \[2, 3\]", caplog.text)
+    with pytest.raises(cli.ConfigError, match="contradict each other"):
+        cli.parse(p, ["--config", "tiny.yaml", *out, "--prune.layers", "[1]", "--prune.ratio", "0.5"])
+    cfg, _ = cli.parse(p, ["--config", "tiny.yaml", *out, "--prune.layers", "[1]"])  # layers alone: fine
+    assert cfg.prune.layers == [1]
+    assert cli.command_line_keys(["--config", "x.yaml", "--prune.ratio=0.3", "--overwrite", "--debug"]) == \
+        {"prune.ratio", "overwrite"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Warnings and refusals before the pass
+# ------------------------------------------------------------------------------------------------
+class _Stop(Exception):
+    pass
+
+
+def _stop_at_selection(*a, **k):
+    raise _Stop
+
+
+def test_too_few_tokens_warn_and_too_long_windows_refuse_before_any_pass(monkeypatch, caplog):
+    from shift_lightning.criteria import PruneConfig
+    from shift_lightning.data import DataError, TextDataConfig
+    from shift_lightning.models import ModelConfig
+    from shift_lightning.recipes import calibrate
+
+    monkeypatch.setattr(calibrate, "select_blocks", _stop_at_selection)  # the first pass
+    kw = dict(model=ModelConfig(tiny={"family": "llama"}), heldout=TextDataConfig(num_samples=0),
+              prune=PruneConfig(layers=[2]))
+    with caplog.at_level(logging.WARNING), pytest.raises(_Stop):
+        calibrate.run_calibration(data=TextDataConfig(source=CORPUS, num_samples=1, seq_len=16), **kw)
+    assert "each site 16 tokens, fewer than the d + 1 = 33 unknowns" in caplog.text
+    assert "Raise --data.num_samples / --data.seq_len to at least 33 tokens" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), pytest.raises(_Stop):
+        calibrate.run_calibration(data=TextDataConfig(source=CORPUS, num_samples=2, seq_len=32), **kw)
+    assert "fewer than the d + 1" not in caplog.text
+    with pytest.raises(DataError, match=r"--data.seq_len 300 exceeds the model's maximum positions \(256"):
+        calibrate.run_calibration(data=TextDataConfig(source=CORPUS, num_samples=1, seq_len=300), **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# Progress
+# ------------------------------------------------------------------------------------------------
+def test_progress_lines_name_their_stage_in_a_log_file():
+    import lightning as L
+
+    from shift_lightning.calibration import CalibrationModule
+    from shift_lightning.data import TextDataConfig, build_windows
+    from shift_lightning.models import build_tiny_model
+    from shift_lightning.progress import StageProgress, with_stage_progress
+
+    assert isinstance(with_stage_progress({})["callbacks"][0], StageProgress)
+    assert "callbacks" not in with_stage_progress({"enable_progress_bar": False})
+    model, tok = build_tiny_model("llama")
+    windows = build_windows(TextDataConfig(source=CORPUS, num_samples=8, seq_len=48), tok)
+    log = io.StringIO()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, inference_mode=False, use_distributed_sampler=False,
+                        callbacks=[StageProgress(interval=0, stream=log, tty=False)])
+    CalibrationModule(model, [2, 3]).calibrate(trainer, windows, windows, batch_size=2)
+    lines = log.getvalue().splitlines()
+    assert "Predicting" not in log.getvalue()
+    assert re.fullmatch(r"\[\d\d:\d\d:\d\d\] calibration statistics: 4 steps", lines[0])
+    assert re.fullmatch(r"\[\d\d:\d\d:\d\d\] calibration statistics: 50% \(2/4\), [\d.]+ it/s, elapsed "
+                        r"0:00:\d\d, ETA 0:00:\d\d", lines[2])
+    assert re.fullmatch(r"\[\d\d:\d\d:\d\d\] calibration statistics: done, 4 steps in 0:00:\d\d \([\d.]+ it/s\)",
+                        lines[4])
+    assert lines[5].endswith("held-out errors: 4 steps") and "held-out errors: done" in lines[-1]
