@@ -117,7 +117,8 @@ class RecoveryModule(L.LightningModule):
             from peft import LoraConfig, get_peft_model
 
             lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                              target_modules=list(cfg.target_modules), exclude_modules=r".*shift_adapters.*",
+                              target_modules=list(cfg.target_modules),
+                              exclude_modules=r".*shift_adapters.*" if adapter_set(model) is not None else None,
                               modules_to_save=adapter_module_names(model) if self.train_lra else None,
                               task_type="CAUSAL_LM")
             with torch.random.fork_rng(devices=[]):  # LoRA's random init depends on the seed alone

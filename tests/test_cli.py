@@ -102,7 +102,7 @@ def test_evaluate_train_and_reproduce_errors_are_one_line(tmp_path, capsys):
     assert "Model folder not found" in _one_line_error(
         cli.evaluate_main, [*ev, "--model.tiny", "null", "--model.name_or_path", "./no/model"], capsys)
     assert "Model folder not found" in _one_line_error(
-        cli.train_main, ["--config", "tiny_lora.yaml", "--model.name_or_path", "./no/model", "--output_dir",
+        cli.train_main, ["--config", "tiny_lora.yaml", "--model.tiny", "null", "--model.name_or_path", "./no/model", "--output_dir",
                          str(tmp_path / "t")], capsys)
     from shift_lightning.recipes import reproduce
 

@@ -337,7 +337,9 @@ def render(folder: Path, cfg: ReproduceConfig | None = None) -> None:
             "command": orig["command"],
             "software": orig["software"], "bootstrap": meta,
             "pending": [f"{c}/{v}" for c in cfg.criteria for v in cfg.variants
-                        if not (folder / c / f"{v}.json").exists()]}
+                        if not (folder / c / f"{v}.json").exists()],
+            "selections": {c: sorted(json.loads((folder / c / "selection.json").read_text())["layers"])
+                           for c in cfg.criteria if (folder / c / "selection.json").exists()}}
     write_json_atomic(folder.with_suffix(".json"), {"info": info, "rows": rows})
     write_text_atomic(folder.with_suffix(".md"), markdown(rows, info, cfg))
     try:
@@ -382,7 +384,8 @@ def markdown(rows: list[dict], info: dict, cfg: ReproduceConfig) -> str:
     lines.append("| – | original | – | " + " | ".join(cells(orig)) + " | | "
                  + " | ".join(f"{orig['ppl'][p]:.2f}" for p in ppl_sets) + " |")
     for crit in cfg.criteria:
-        layers = next((r["pruned_layers"] for (cc, _), r in by.items() if cc == crit), None)
+        layers = next((r["pruned_layers"] for (cc, _), r in by.items() if cc == crit), None) or \
+            info.get("selections", {}).get(crit)
         for v in cfg.variants:
             r = by.get((crit, v))
             if r is None:
