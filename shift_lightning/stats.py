@@ -91,8 +91,8 @@ def _cuda_tf32(enabled: bool):
 
 
 def chunk_products(A: torch.Tensor, R: torch.Tensor, scheme: str) -> torch.Tensor:
-    """``Aᵀ R`` in float64 for float32 ``A: (n, p)``, ``R: (n, q)`` under one accumulation ``scheme``
-    (``float64`` callers pass float64 tensors)."""
+    """``Aᵀ R`` in float64 for ``A: (n, p)``, ``R: (n, q)`` under one accumulation ``scheme``
+    (float64 tensors for ``float64``, bf16 or float32 for ``bfloat16``, float32 otherwise)."""
     if scheme == "float64":
         return A.T @ R
     cuda = A.is_cuda
@@ -149,27 +149,33 @@ class RidgeStats:
 
     @torch.no_grad()
     def add_batch(self, x: torch.Tensor, delta: torch.Tensor) -> None:
-        """Accumulate real tokens ``x, delta: (N, d)`` (any float dtype; padding already removed)."""
+        """Accumulate real tokens ``x, delta: (N, d)`` (any float dtype; padding already removed).
+
+        Non-finite inputs raise :class:`SolveError`. They are detected from the products' row of the
+        ones column, ``[Σx, N, ΣΔ]``, which is non-finite exactly when an input is (barring an
+        overflow of the sums themselves), instead of a separate ``isfinite`` pass over ``(N, d)``
+        (measured: as costly as the float64 GEMM itself on CPU).
+        """
         if x.shape != delta.shape or x.ndim != 2 or x.shape[1] != self.dim:
             raise ValueError(f"{self.name}: expected x, delta of shape (N, {self.dim}), got {tuple(x.shape)}, {tuple(delta.shape)}")
         if x.shape[0] == 0:
             return
-        if not (torch.isfinite(x).all() and torch.isfinite(delta).all()):
-            raise SolveError(
-                f"{self.name}: non-finite activations (inf/NaN) in the calibration pass. The model overflows "
-                "in its current dtype: load it in float32 (--model.dtype float32) or check the input data."
-            )
         self.scheme = scheme = resolve_accum(self.accum_dtype, x.device, x.dtype)
-        work = torch.float64 if scheme == "float64" else torch.float32
+        work = {"float64": torch.float64, "bfloat16": torch.bfloat16}.get(scheme, torch.float32)
         step = x.shape[0] if scheme == "float64" else self.chunk_tokens
-        d1 = self.dim + 1
+        d, d1 = self.dim, self.dim + 1
         for s in range(0, x.shape[0], step):
-            xa = x[s: s + step].to(work)
-            A = torch.cat([xa, xa.new_ones(xa.shape[0], 1)], dim=1)        # [X, 1]      (n, d+1)
-            P = chunk_products(A, torch.cat([A, delta[s: s + step].to(work)], dim=1), scheme)  # (d+1, 2d+1)
+            xa = x[s: s + step]
+            R = torch.cat([xa, xa.new_ones(xa.shape[0], 1), delta[s: s + step]], dim=1).to(work)  # [X, 1, Δ]
+            P = chunk_products(R[:, :d1], R, scheme)                # [X, 1]ᵀ [X, 1, Δ]   (d+1, 2d+1)
+            if not torch.isfinite(P[d]).all():
+                raise SolveError(
+                    f"{self.name}: non-finite activations (inf/NaN) in the calibration pass. The model overflows "
+                    "in its current dtype: load it in float32 (--model.dtype float32) or check the input data."
+                )
             self.G += P[:, :d1]
             self.C += P[:, d1:]
-        self.yy += delta.to(torch.float64).square().sum()
+        self.yy += torch.linalg.vector_norm(delta, dtype=torch.float64).square()
 
     def relative_error(self, W: torch.Tensor, b: torch.Tensor) -> float:
         """``‖Δ − Δ̂‖² / ‖Δ‖²`` of the map ``Δ̂ = x Wᵀ + b`` on the accumulated data, from the statistics alone:
@@ -199,15 +205,17 @@ class Solution:
 
 
 def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = None, kind: str = "residual",
-                bias: bool = True) -> Solution:
+                bias: bool = True, dtype: torch.dtype = torch.float64) -> Solution:
     """Closed-form ridge (optionally reduced-rank) fit of the site's statistics; see module doc.
 
     ``kind="residual"`` fits Δ ≈ x Wᵀ + b (adapter y = x + x Wᵀ + b, shrinks towards identity);
     ``kind="affine"`` fits the block output y = x + Δ ≈ x Aᵀ + c (ablation, shrinks A towards 0).
     ``bias=False`` fits without intercept (``b = 0``): the statistics are used uncentred,
     ``Wᵀ = (XᵀX + λI)⁻¹ XᵀΔ`` with ``λ = damping · mean(diag(XᵀX))``.
+    ``dtype``: float64 (always, in the library); float32 exists to measure what float64 costs
+    (``benchmarks/solve.py``).
     """
-    G, C, d = stats.G, stats.C, stats.dim
+    G, C, d = stats.G.to(dtype), stats.C.to(dtype), stats.dim
     n = G[d, d]
     if n < 1:
         raise SolveError(f"{stats.name}: no calibration tokens were accumulated")
