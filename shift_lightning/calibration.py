@@ -93,8 +93,11 @@ class CalibrationConfig:
     """Relative ridge damping: λ = damping · mean(diag(XcᵀXc))."""
     merge: bool = True
     """Merge the adapters of adjacent removed blocks into one exact affine map."""
-    accum_dtype: Literal["float64", "float32"] = "float64"
-    """Products of a batch in ``float64``, or ``float32`` chunks added into the float64 master."""
+    accum_dtype: Literal["auto", "float64", "float32", "tf32", "bfloat16"] = "auto"
+    """How a batch's products are formed before they are added into the float64 master sums:
+    ``float64``; ``float32`` / ``tf32`` / ``bfloat16`` chunks (the GEMM's input precision, float32
+    accumulation); ``auto``: float64 on CPU, on CUDA bfloat16 for bf16 models and tf32 otherwise
+    (see :mod:`shift_lightning.stats`; errors and speed: ``benchmarks/calibration.py --accum``)."""
     heldout: bool = True
     """Also measure every site's relative residual error on the held-out windows."""
     guard: bool = False
@@ -243,7 +246,7 @@ class CalibrationModule(DataPass):
         return need_stats, need_mlp, need_scale
 
     def _alloc(self, device) -> None:
-        acc = torch.float64 if self.cfg.accum_dtype == "float64" else torch.float32
+        acc = self.cfg.accum_dtype
         nr, ns = RidgeStats.numel(self.dim), ChannelScaleStats.numel(self.dim)
         plan = []
         for site in self._capture:
@@ -399,9 +402,8 @@ class CalibrationModule(DataPass):
                 j += 1
                 continue
             target = site if self._fitting else Site(site.index, site.start, site.end)
-            acc = torch.float64 if self.cfg.accum_dtype == "float64" else torch.float32
             flat = torch.zeros(RidgeStats.numel(self.dim), dtype=torch.float64, device=self.device)
-            target.stats = RidgeStats(self.dim, site.name, accum_dtype=acc, buffer=flat)
+            target.stats = RidgeStats(self.dim, site.name, accum_dtype=self.cfg.accum_dtype, buffer=flat)
             for e in self._cached:
                 x, y = e["h"], e["h"]
                 for i in range(site.start, site.end):
@@ -493,7 +495,8 @@ class CalibrationModule(DataPass):
 
     def _record(self, s: Site, kind: str, stats: RidgeStats, sol: Solution) -> None:
         Wd, bd = sol.delta_map()
-        entry = {"calib_rel_error": stats.relative_error(Wd, bd), "calib_tokens": stats.num_tokens, "lam": sol.lam}
+        entry = {"calib_rel_error": stats.relative_error(Wd, bd), "calib_tokens": stats.num_tokens, "lam": sol.lam,
+                 "accum": stats.scheme}
         if kind == s.primary or (self.cfg.guard and kind == s.primary + "+guard"):
             s.report.update(entry)
         if len(self.kinds) > 1 or kind in SPAN_KINDS or kind.endswith("+guard"):

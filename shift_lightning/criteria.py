@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .arch import block_hooks, decoder_layers, skip_block
+from .arch import block_hooks, block_input, decoder_layers, skip_block, swapped_blocks
 from .errors import ShiftError
 from .nll import token_nll
 
@@ -293,37 +293,81 @@ class AngularDistance:
         }
 
 
+class _Replay(nn.Module):
+    """Stands in for block ``j <= i`` while the model is replayed from block ``i``'s cached input:
+    blocks before ``i`` pass their input on untouched (it is discarded), block ``i`` (the removed
+    one) hands on the cached state ``h_i`` it was called with in the full pass."""
+
+    def __init__(self, state: torch.Tensor | None = None):
+        super().__init__()
+        self.state = state
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states if self.state is None else self.state
+
+
 class RemovalPerplexity:
     """PPL criterion (Kim et al. 2024, "Shortened LLaMA", PPL metric): for every block ``i``,
-    the perplexity of the model with block ``i`` removed (replaced by the identity through a
-    forward hook), ``exp(Σ NLL / N)`` over the ``N`` predicted non-padding tokens of the
-    calibration windows. One-shot: the blocks whose single removal gives the lowest perplexity
-    are removed. The unpruned model's perplexity is reported as ``base_ppl``.
+    the perplexity of the model with block ``i`` removed (replaced by the identity),
+    ``exp(Σ NLL / N)`` over the ``N`` predicted non-padding tokens of the calibration windows.
+    One-shot: the blocks whose single removal gives the lowest perplexity are removed. The
+    unpruned model's perplexity is reported as ``base_ppl``.
 
     Sums: token NLL ``(L+1,)`` (entry 0: nothing removed, entry ``i+1``: block ``i`` removed) and
-    the token count, float64. Cost: ``L+1`` forward passes per batch.
+    the token count, float64.
+
+    Cost (``replay=True``, default): one full pass caches ``h_i: (B, T, d)``, the hidden state
+    entering every block ``i``; removing block ``i`` leaves blocks ``0 … i−1`` unchanged, so the
+    model is then replayed from ``h_i`` handed straight to block ``i+1``: blocks ``i+1 … L−1``,
+    the final norm and the LM head. That is ``L + L(L−1)/2`` block calls (+ ``L+1`` LM heads) per
+    batch instead of ``L(L+1)`` for ``replay=False`` (``L+1`` full passes, the reference); the
+    numbers are the same, since every block sees the same inputs in both. Memory: the ``L``
+    cached states of one batch.
     """
 
     name = "ppl"
     needs_grad = False
 
-    def __init__(self, num_layers: int):
-        self.L = num_layers
+    def __init__(self, num_layers: int, replay: bool = True):
+        self.L, self.replay = num_layers, replay
 
     def setup(self, model: nn.Module) -> None:
         dev = next(model.parameters()).device
         self.nll_sum = torch.zeros(self.L + 1, dtype=torch.float64, device=dev)
         self.tokens = torch.zeros(1, dtype=torch.float64, device=dev)
 
+    def _add(self, j: int, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        nll, valid = token_nll(logits, batch["input_ids"], batch["attention_mask"])
+        self.nll_sum[j] += nll.double()[valid].sum()
+        return valid
+
+    @torch.no_grad()
     def step(self, model: nn.Module, batch: dict) -> None:
         layers = decoder_layers(model)
-        for j in range(self.L + 1):
-            ctx = skip_block(layers[j - 1]) if j > 0 else contextlib.nullcontext()
-            with torch.no_grad(), ctx:
-                logits = model(**_lm_kwargs(batch)).logits
-            nll, valid = token_nll(logits, batch["input_ids"], batch["attention_mask"])
-            self.nll_sum[j] += nll.double()[valid].sum()
-            del logits, nll
+        if not self.replay:  # reference: L+1 full passes, block j-1 made an identity in pass j
+            for j in range(self.L + 1):
+                with skip_block(layers[j - 1]) if j > 0 else contextlib.nullcontext():
+                    valid = self._add(j, model(**_lm_kwargs(batch)).logits, batch)
+            self.tokens += valid.sum()
+            return
+        inputs: list[torch.Tensor | None] = [None] * self.L
+
+        def record(i):
+            def hook(module, args, kwargs):
+                inputs[i] = block_input(args, kwargs)
+            return hook
+
+        handles = [layer.register_forward_pre_hook(record(i), with_kwargs=True) for i, layer in enumerate(layers)]
+        try:
+            valid = self._add(0, model(**_lm_kwargs(batch)).logits, batch)
+        finally:
+            for h in handles:
+                h.remove()
+        for i in range(self.L):
+            stubs = {j: _Replay(inputs[i] if j == i else None) for j in range(i + 1)}
+            with swapped_blocks(model, stubs):
+                self._add(i + 1, model(**_lm_kwargs(batch)).logits, batch)
+            inputs[i] = None  # free as we go
         self.tokens += valid.sum()
 
     def state(self) -> list[torch.Tensor]:

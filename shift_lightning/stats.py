@@ -11,6 +11,21 @@ Memory is independent of the number of tokens. Padding tokens are removed by the
 rows of real tokens reach :meth:`RidgeStats.add_batch`). Sums over ranks are plain sums, so one
 all-reduce of the flat buffer gives the global statistics.
 
+Accumulation schemes (``accum``; the master sums are always float64). A batch's products are one
+GEMM ``[X,1]ᵀ [X,1,Δ]: (d+1, 2d+1)`` that yields ``G`` and ``C`` together:
+
+    float64    the whole batch cast to float64, products in float64 (the reference)
+    float32    chunks of ``chunk_tokens`` tokens, float32 products added into the float64 master
+    tf32       as float32, with TF32 tensor cores on CUDA (inputs rounded to a 10-bit mantissa)
+    bfloat16   as float32, with bf16 inputs and float32 accumulation (CUDA ``mm(out_dtype=float32)``);
+               lossless on the inputs when the model runs in bf16
+    auto       per device (:func:`resolve_accum`): float64 on CPU; on CUDA bfloat16 for bf16
+               activations, tf32 otherwise
+
+On CPU, ``tf32`` and ``bfloat16`` round the inputs exactly as the GPU would and multiply in float32
+(products of ≤ 11-bit mantissas are exact in float32), so their numbers, not their speed, can be
+checked anywhere. The rounding error stays per chunk: it does not grow with the number of tokens.
+
 The solve (:func:`ridge_solve`) centres the statistics so the bias is not shrunk, then::
 
     Wᵀ = (XcᵀXc + λI)⁻¹ XcᵀΔc      via Cholesky,  λ = damping · mean(diag(XcᵀXc))
@@ -24,6 +39,7 @@ and for rank r < d it returns the optimal rank-r solution of the *same* ridge ob
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -35,21 +51,85 @@ class SolveError(ShiftError, RuntimeError):
     """Calibration statistics are unusable (non-finite, empty) or the system is not positive definite."""
 
 
+#: Accumulation schemes of :class:`RidgeStats` (see the module doc); ``auto`` resolves to one of them.
+ACCUM_SCHEMES = ("float64", "float32", "tf32", "bfloat16")
+
+
+def resolve_accum(accum: str | torch.dtype, device: torch.device | str, act_dtype: torch.dtype) -> str:
+    """The accumulation scheme for activations of ``act_dtype`` on ``device``.
+
+    ``auto``: float64 on CPU (measured: the float64 products cost a few % of the forward pass there,
+    ``benchmarks/calibration.py``); on CUDA, where float64 GEMMs run 15-60x slower than bf16 ones,
+    ``bfloat16`` for bf16 activations (no input rounding at all) and ``tf32`` otherwise.
+    A ``torch.dtype`` (float64 / float32 / bfloat16) names the scheme of the same name.
+    """
+    if isinstance(accum, torch.dtype):
+        accum = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16"}[accum]
+    if accum == "auto":
+        if torch.device(device).type != "cuda":
+            return "float64"
+        return "bfloat16" if act_dtype == torch.bfloat16 else "tf32"
+    if accum not in ACCUM_SCHEMES:
+        raise ValueError(f"accumulation scheme must be auto or one of {ACCUM_SCHEMES}, got {accum!r}")
+    return accum
+
+
+def round_tf32(t: torch.Tensor) -> torch.Tensor:
+    """float32 ``t`` rounded to TF32 (10-bit mantissa, round to nearest) as the tensor cores read it."""
+    i = t.float().contiguous().view(torch.int32)
+    return ((i + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+@contextlib.contextmanager
+def _cuda_tf32(enabled: bool):
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def chunk_products(A: torch.Tensor, R: torch.Tensor, scheme: str) -> torch.Tensor:
+    """``Aᵀ R`` in float64 for ``A: (n, p)``, ``R: (n, q)`` under one accumulation ``scheme``
+    (float64 tensors for ``float64``, bf16 or float32 for ``bfloat16``, float32 otherwise)."""
+    if scheme == "float64":
+        return A.T @ R
+    cuda = A.is_cuda
+    if scheme == "bfloat16":
+        Ab, Rb = A.to(torch.bfloat16), R.to(torch.bfloat16)
+        if cuda:
+            try:
+                return torch.mm(Ab.T, Rb, out_dtype=torch.float32).double()
+            except (RuntimeError, TypeError):  # older torch: same numbers via float32 products
+                pass
+        A, R = Ab.float(), Rb.float()  # bf16 x bf16 products are exact in float32
+    elif scheme == "tf32" and not cuda:
+        A, R = round_tf32(A), round_tf32(R)
+    if cuda:
+        with _cuda_tf32(scheme == "tf32"):
+            return (A.T @ R).double()
+    return (A.T @ R).double()
+
+
 class RidgeStats:
     """Streaming ``G = [X,1]ᵀ[X,1]``, ``C = [X,1]ᵀΔ`` and ``Σ‖Δ‖²`` for one site (see module doc).
 
-    ``accum_dtype=float64`` (default) casts each batch to float64 before the products.
-    ``accum_dtype=float32`` forms each batch's products in float32 over chunks of at most
-    ``chunk_tokens`` tokens and adds them into the float64 master (faster on GPUs; the
-    float32 rounding is bounded per chunk and does not grow with the number of tokens).
+    ``accum_dtype`` is the accumulation scheme (module doc): ``"float64"`` (default), ``"float32"``,
+    ``"tf32"``, ``"bfloat16"``, ``"auto"`` (resolved per batch from the activations' device and
+    dtype; the scheme used is kept in :attr:`scheme`), or the ``torch.dtype`` of the same name.
+    Reduced-precision schemes work on chunks of at most ``chunk_tokens`` tokens.
     ``buffer`` (optional, 1-D float64 of length :meth:`numel`) lets many sites share one flat
     buffer so a single all-reduce syncs them all.
     """
 
-    def __init__(self, dim: int, name: str = "site", device=None, accum_dtype: torch.dtype = torch.float64,
+    def __init__(self, dim: int, name: str = "site", device=None, accum_dtype: str | torch.dtype = torch.float64,
                  chunk_tokens: int = 4096, buffer: torch.Tensor | None = None):
         self.dim, self.name = dim, name
         self.accum_dtype, self.chunk_tokens = accum_dtype, chunk_tokens
+        resolve_accum(accum_dtype, "cpu", torch.float32)  # validate early
+        self.scheme: str | None = None
+        """The scheme the last batch was accumulated with (``auto`` resolved)."""
         if buffer is None:
             buffer = torch.zeros(self.numel(dim), dtype=torch.float64, device=device)
         assert buffer.dtype == torch.float64 and buffer.numel() == self.numel(dim)
@@ -69,24 +149,33 @@ class RidgeStats:
 
     @torch.no_grad()
     def add_batch(self, x: torch.Tensor, delta: torch.Tensor) -> None:
-        """Accumulate real tokens ``x, delta: (N, d)`` (any float dtype; padding already removed)."""
+        """Accumulate real tokens ``x, delta: (N, d)`` (any float dtype; padding already removed).
+
+        Non-finite inputs raise :class:`SolveError`. They are detected from the products' row of the
+        ones column, ``[Σx, N, ΣΔ]``, which is non-finite exactly when an input is (barring an
+        overflow of the sums themselves), instead of a separate ``isfinite`` pass over ``(N, d)``
+        (measured: as costly as the float64 GEMM itself on CPU).
+        """
         if x.shape != delta.shape or x.ndim != 2 or x.shape[1] != self.dim:
             raise ValueError(f"{self.name}: expected x, delta of shape (N, {self.dim}), got {tuple(x.shape)}, {tuple(delta.shape)}")
         if x.shape[0] == 0:
             return
-        if not (torch.isfinite(x).all() and torch.isfinite(delta).all()):
-            raise SolveError(
-                f"{self.name}: non-finite activations (inf/NaN) in the calibration pass. The model overflows "
-                "in its current dtype: load it in float32 (--model.dtype float32) or check the input data."
-            )
-        step = x.shape[0] if self.accum_dtype == torch.float64 else self.chunk_tokens
+        self.scheme = scheme = resolve_accum(self.accum_dtype, x.device, x.dtype)
+        work = {"float64": torch.float64, "bfloat16": torch.bfloat16}.get(scheme, torch.float32)
+        step = x.shape[0] if scheme == "float64" else self.chunk_tokens
+        d, d1 = self.dim, self.dim + 1
         for s in range(0, x.shape[0], step):
-            xa = x[s: s + step].to(self.accum_dtype)
-            xa = torch.cat([xa, xa.new_ones(xa.shape[0], 1)], dim=1)  # [X, 1]
-            dl = delta[s: s + step].to(self.accum_dtype)
-            self.G += (xa.T @ xa).to(torch.float64)
-            self.C += (xa.T @ dl).to(torch.float64)
-            self.yy += dl.to(torch.float64).square().sum()
+            xa = x[s: s + step]
+            R = torch.cat([xa, xa.new_ones(xa.shape[0], 1), delta[s: s + step]], dim=1).to(work)  # [X, 1, Δ]
+            P = chunk_products(R[:, :d1], R, scheme)                # [X, 1]ᵀ [X, 1, Δ]   (d+1, 2d+1)
+            if not torch.isfinite(P[d]).all():
+                raise SolveError(
+                    f"{self.name}: non-finite activations (inf/NaN) in the calibration pass. The model overflows "
+                    "in its current dtype: load it in float32 (--model.dtype float32) or check the input data."
+                )
+            self.G += P[:, :d1]
+            self.C += P[:, d1:]
+        self.yy += torch.linalg.vector_norm(delta, dtype=torch.float64).square()
 
     def relative_error(self, W: torch.Tensor, b: torch.Tensor) -> float:
         """``‖Δ − Δ̂‖² / ‖Δ‖²`` of the map ``Δ̂ = x Wᵀ + b`` on the accumulated data, from the statistics alone:
@@ -116,15 +205,17 @@ class Solution:
 
 
 def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = None, kind: str = "residual",
-                bias: bool = True) -> Solution:
+                bias: bool = True, dtype: torch.dtype = torch.float64) -> Solution:
     """Closed-form ridge (optionally reduced-rank) fit of the site's statistics; see module doc.
 
     ``kind="residual"`` fits Δ ≈ x Wᵀ + b (adapter y = x + x Wᵀ + b, shrinks towards identity);
     ``kind="affine"`` fits the block output y = x + Δ ≈ x Aᵀ + c (ablation, shrinks A towards 0).
     ``bias=False`` fits without intercept (``b = 0``): the statistics are used uncentred,
     ``Wᵀ = (XᵀX + λI)⁻¹ XᵀΔ`` with ``λ = damping · mean(diag(XᵀX))``.
+    ``dtype``: float64 (always, in the library); float32 exists to measure what float64 costs
+    (``benchmarks/solve.py``).
     """
-    G, C, d = stats.G, stats.C, stats.dim
+    G, C, d = stats.G.to(dtype), stats.C.to(dtype), stats.dim
     n = G[d, d]
     if n < 1:
         raise SolveError(f"{stats.name}: no calibration tokens were accumulated")

@@ -271,3 +271,18 @@ def test_ddp_two_processes_match_one(tmp_path):
             assert got["scores"][i] == pytest.approx(v, rel=1e-6), (key, i)
         for count in ("tokens", "samples"):
             assert got.get(count) == ref.get(count)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_ppl_replay_from_cached_states_equals_full_passes(family, windows):
+    """The one-pass implementation (replay from each block's cached input) gives the numbers of the
+    L+1 full passes with one block skipped each (padded windows, batches of 2, sliding windows)."""
+    from shift_lightning.criteria import RemovalPerplexity
+    from shift_lightning.selection import run_scorer
+
+    model, _ = build_tiny_model(family, seed=3)
+    fast = run_scorer(RemovalPerplexity(L), model, windows, batch_size=2)
+    full = run_scorer(RemovalPerplexity(L, replay=False), model, windows, batch_size=2)
+    assert fast.tokens.item() == full.tokens.item()
+    torch.testing.assert_close(fast.nll_sum, full.nll_sum, rtol=1e-12, atol=0)
+    assert fast.finalize() == full.finalize()

@@ -156,3 +156,40 @@ def test_errors_name_the_site_and_the_fix():
     s.add_batch(x, x @ torch.ones(4, 4, dtype=torch.float64))
     with pytest.raises(SolveError, match=r"site 3.*Cholesky.*--calibration.damping"):
         ridge_solve(s, damping=1e-300)
+
+
+def test_round_tf32_keeps_ten_mantissa_bits():
+    from shift_lightning.stats import round_tf32
+
+    x = torch.tensor([1.0 + 2 ** -10, 1.0 + 2 ** -11 + 2 ** -12, 1.0 + 2 ** -12, -3.0, 0.0])
+    assert round_tf32(x).tolist() == [1.0 + 2 ** -10, 1.0 + 2 ** -10, 1.0, -3.0, 0.0]
+    y = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    r = round_tf32(y)
+    assert ((r - y).abs() <= y.abs() * 2 ** -11).all() and not torch.equal(r, y)
+
+
+def test_resolve_accum_per_device():
+    from shift_lightning.stats import resolve_accum
+
+    assert resolve_accum("auto", "cpu", torch.bfloat16) == "float64"
+    assert resolve_accum("auto", "cuda", torch.bfloat16) == "bfloat16"
+    assert resolve_accum("auto", "cuda", torch.float32) == "tf32"
+    assert resolve_accum(torch.float32, "cpu", torch.float32) == "float32"
+    with pytest.raises(ValueError, match="accumulation scheme"):
+        RidgeStats(4, accum_dtype="float16")
+
+
+@pytest.mark.parametrize("scheme, w_tol", [("float32", 1e-4), ("tf32", 3e-3), ("bfloat16", 3e-2), ("auto", 1e-4)])
+def test_every_accumulation_scheme_is_close_to_float64(scheme, w_tol):
+    """CPU runs the reduced-precision schemes with the GPU's input rounding: their errors are checked here."""
+    x, delta = _data(n=20_000, d=16, seed=7)
+    s64 = _stats(x, delta, batches=4)
+    s = _stats(x.float(), delta.float(), batches=4, accum_dtype=scheme, chunk_tokens=2048)
+    assert s.scheme == ("float64" if scheme == "auto" else scheme)
+    assert s.num_tokens == s64.num_tokens and s.yy.item() == pytest.approx(s64.yy.item(), rel=1e-6)
+    W64, W = ridge_solve(s64, 1e-4).W, ridge_solve(s, 1e-4).W
+    assert ((W - W64).norm() / W64.norm()).item() < w_tol
+    if scheme == "bfloat16":  # = float32 products of bf16-rounded inputs (what the tensor cores compute)
+        ref = _stats(x.float().bfloat16().float(), delta.float().bfloat16().float(), batches=4,
+                     accum_dtype="float32", chunk_tokens=2048)
+        assert_close(s.G, ref.G, rtol=1e-6, atol=0)

@@ -1,0 +1,47 @@
+"""The prepared GPU benchmark script, run in its CPU/tiny mode: every step runs and writes its JSON.
+
+(Performance is measured by the benchmarks, never asserted here; this checks that the script and
+the three benchmarks it calls work end to end, and the invariants of their outputs.)
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_script_tiny_cpu_mode(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--tiny"], env=env, capture_output=True,
+                       text=True, timeout=900, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+    cal = json.loads((tmp_path / "calibration.json").read_text())
+    assert cal["removed"] == [5, 6]  # 25% of 8 blocks, reverse_star
+    v = cal["timing"]["variants"]
+    assert {"forward", "trunk", "independent/float64", "independent/tf32", "sequential/auto"} <= set(v)
+    assert v["independent/float64"]["scheme"] == "float64" and v["sequential/auto"]["scheme"] == "float64"  # CPU
+    acc = cal["accum"]["schemes"]
+    assert acc["float64"]["W_rel_err_max"] == 0.0 and acc["tf32"]["emulated"] and not acc["float32"]["emulated"]
+    assert 0 < acc["float32"]["W_rel_err_max"] < acc["bfloat16"]["W_rel_err_max"] < 0.1
+    assert cal["ppl"]["max_rel_score_diff"] == 0.0  # replay == L+1 full passes
+    assert cal["ppl"]["block_calls_replay"] == 8 + 28 and cal["ppl"]["block_calls_full"] == 72
+    assert [s["windows"] for s in cal["memory"]["sizes"]] == [4, 16]
+
+    inf = json.loads((tmp_path / "inference.json").read_text())
+    names = {"original", "pruned", "+LRA per block", "+rank-8 per block", "merged", "span rank-8"}
+    assert set(inf["results"]) == names
+    acct = inf["accounting"]["variants"]
+    d = 64
+    assert acct["merged"]["adapter_params"] == d * d + d  # one full-rank map for the span of 2 blocks
+    assert acct["+LRA per block"]["adapter_params"] == 2 * (d * d + d)
+    assert acct["span rank-8"]["adapter_params"] == 2 * d * 8 + d
+    assert acct["original"]["params"] - acct["pruned"]["params"] == inf["accounting"]["removed_params"]
+    assert inf["merged_vs_chain_max_rel_logit_diff"] < 1e-4  # merging is exact up to rounding
+
+    sol = json.loads((tmp_path / "solve.json").read_text())
+    assert [r["d"] for r in sol["results"]] == [64, 128]
+    assert all({"float64", "float32", "float64 rank 8"} <= set(r["seconds"]) for r in sol["results"])
