@@ -178,8 +178,26 @@ def _vm(field: str) -> float:
     return float("nan")
 
 
-def memory_child(model, tok, dev, removed, a, n: int) -> dict:
-    """One size: peak memory of an independent calibration over ``n`` windows."""
+def _bare_trunk(model, win, bs, dev, last: int) -> None:
+    """The bare pass calibration rides on: the same batches, stopped after the last removed block."""
+    def stop(*_):
+        raise _Stop
+
+    h = decoder_layers(model)[last].register_forward_hook(stop)
+    try:
+        with torch.inference_mode():
+            for ids, m in batches(win, bs, dev):
+                try:
+                    model(input_ids=ids, attention_mask=m, use_cache=False)
+                except _Stop:
+                    pass
+    finally:
+        h.remove()
+
+
+def memory_child(model, tok, dev, removed, a, n: int, bare: bool = False) -> dict:
+    """One size: peak memory of an independent calibration over ``n`` windows, or (``bare``) of the
+    bare trunk pass over the same windows, the baseline the statistics add to."""
     win = C.windows(model, tok, n, a.memory_seq_len)
     trainer = make_trainer(dev)
     mod = CalibrationModule(model, removed, CalibrationConfig(accum_dtype=a.memory_accum, heldout=False))
@@ -192,37 +210,50 @@ def memory_child(model, tok, dev, removed, a, n: int) -> dict:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
         before = _vm("VmRSS")
     t = time.perf_counter()
-    mod.calibrate(trainer, win, batch_size=a.batch_size)
+    if bare:
+        _bare_trunk(model, win, a.batch_size, dev, max(removed))
+    else:
+        mod.calibrate(trainer, win, batch_size=a.batch_size)
+    C.sync(dev)
     secs = time.perf_counter() - t
     peak = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if dev.type == "cuda" else _vm("VmHWM")
-    stats_mib = sum(s.stats.buffer.numel() * 8 for s in mod.sites) / 2 ** 20
+    stats_mib = 0.0 if bare else sum(s.stats.buffer.numel() * 8 for s in mod.sites) / 2 ** 20
     return {"windows": n, "tokens": win.num_tokens, "before_mib": before, "peak_mib": peak,
             "increment_mib": peak - before, "statistics_mib": stats_mib, "seconds": secs}
 
 
 def section_memory(model, tok, dev, removed, a) -> dict:
+    """Peak memory vs calibration-set size, each size next to the bare trunk pass over the same
+    windows: streaming statistics must add a constant (the sums), whatever the number of windows."""
+    def child(n, bare):
+        if dev.type == "cuda" or a.memory_inprocess:
+            return memory_child(model, tok, dev, removed, a, n, bare)
+        cmd = [sys.executable, __file__, *a.argv, "--memory_child", str(n)] + (["--memory_child_bare"] if bare else [])
+        p = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+        line = next((x for x in p.stdout.splitlines() if x.startswith("MEMORY ")), None)
+        if p.returncode != 0 or line is None:
+            raise SystemExit(f"memory child for {n} windows failed:\n{p.stderr[-3000:]}")
+        return json.loads(line[len("MEMORY "):])
+
     rows, sizes = [], []
     for n in a.memory_sizes:
-        if dev.type == "cuda" or a.memory_inprocess:
-            r = memory_child(model, tok, dev, removed, a, n)
-        else:
-            cmd = [sys.executable, __file__, *a.argv, "--memory_child", str(n)]
-            p = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-            line = next((x for x in p.stdout.splitlines() if x.startswith("MEMORY ")), None)
-            if p.returncode != 0 or line is None:
-                raise SystemExit(f"memory child for {n} windows failed:\n{p.stderr[-3000:]}")
-            r = json.loads(line[len("MEMORY "):])
+        r, b = child(n, False), child(n, True)
+        r["bare_peak_mib"], r["over_bare_mib"] = b["peak_mib"], r["peak_mib"] - b["peak_mib"]
         sizes.append(r)
-        rows.append([r["windows"], r["tokens"], r["before_mib"], r["peak_mib"], r["increment_mib"], r["seconds"]])
+        rows.append([r["windows"], r["tokens"], r["before_mib"], r["peak_mib"], r["increment_mib"], b["peak_mib"],
+                     r["over_bare_mib"], r["seconds"]])
     peaks = [r["peak_mib"] for r in sizes]
     incs = [r["increment_mib"] for r in sizes]
+    over = [r["over_bare_mib"] for r in sizes]
     what = ("torch.cuda.max_memory_allocated" if dev.type == "cuda" else
             "peak RSS (VmHWM after a reset), " + ("in this process" if a.memory_inprocess else "one process per size"))
     return {"measure": what, "seq_len": a.memory_seq_len, "batch_size": a.batch_size, "sizes": sizes,
             "peak_spread": (max(peaks) - min(peaks)) / min(peaks),
             "increment_spread_mib": max(incs) - min(incs),
+            "over_bare_spread_mib": max(over) - min(over),
             "statistics_mib": sizes[0]["statistics_mib"],
-            "table": C.md_table(["windows", "tokens", "MiB before", "peak MiB", "peak − before", "seconds"], rows)}
+            "table": C.md_table(["windows", "tokens", "MiB before", "peak MiB", "peak − before",
+                                 "bare trunk peak MiB", "peak − bare", "seconds"], rows)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -384,6 +415,7 @@ def parse(argv=None):
     ap.add_argument("--sections", default="timing,accum,ppl,memory,processes")
     ap.add_argument("--out", default=None)
     ap.add_argument("--memory_child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--memory_child_bare", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.argv = [x for x in (sys.argv[1:] if argv is None else argv)]
     dev = C.pick_device(a.device)
@@ -399,7 +431,8 @@ def main(argv=None):
     model, tok = C.build_model(a.model, dev, C.dtype_of(a.dtype))
     removed = select_blocks(PruneConfig(ratio=a.ratio, criterion=a.criterion), model).layers
     if a.memory_child is not None:
-        print("MEMORY " + json.dumps(memory_child(model, tok, dev, removed, a, a.memory_child)), flush=True)
+        print("MEMORY " + json.dumps(memory_child(model, tok, dev, removed, a, a.memory_child,
+                                                        a.memory_child_bare)), flush=True)
         return
     out = Path(a.out or C.ROOT / "results" / "bench" / f"calibration_{a.model.replace(':', '_')}_{dev.type}.json")
     doc = {"benchmark": "calibration", "model": a.model, "dtype": a.dtype, "removed": removed,
