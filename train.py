@@ -1,7 +1,10 @@
-"""Recover a pruned + corrected model with PEFT LoRA or partial-layer fine-tuning (LRAs optionally trained).
+"""One job from a model to a recovered model: select blocks, prune, calibrate the LRAs (same Trainer,
+same DDP processes), then recover with PEFT LoRA or partial-layer fine-tuning (LRAs optionally
+trained) and export the merged model.
 
-    python train.py --config configs/smollm2_lora.yaml --model.name_or_path outputs/smollm2_rs --output_dir outputs/smollm2_rs_lora
-    python train.py --config configs/llama8b_lora.yaml --trainer.devices 8 --trainer.strategy ddp
+    python train.py --config smollm2_lora.yaml --output_dir outputs/smollm2_lora      # CPU, embedded SmolLM2
+    python train.py --config llama8b_lora.yaml --trainer.devices 8 --trainer.strategy ddp
+    python train.py --config llama8b_lora.yaml --ckpt_path last                       # resume
     tensorboard --logdir runs
 """
 
