@@ -13,7 +13,7 @@ from shift_lightning.data import TextDataConfig
 from shift_lightning.models import ModelConfig, decoder_layers
 from shift_lightning.recipes.calibrate import run_calibration
 from shift_lightning.recipes.train import run_training
-from shift_lightning.recovery import RecoveryConfig, RecoveryModule
+from shift_lightning.recovery import RecoveryConfig, RecoveryModule, base_model
 from shift_lightning.surgery import adapter_set
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +153,7 @@ class _Crash(L.Callback):
             raise RuntimeError("simulated crash")
 
 
-def _job(tmp_path, name, steps=8, callbacks=(), ckpt_path=None, train_lra=True, method="lora"):
+def _job(tmp_path, name, steps=8, callbacks=(), ckpt_path=None, train_lra=True, method="lora", **recovery):
     from shift_lightning.calibration import CalibrationConfig
     from shift_lightning.recipes.train import training_callbacks
 
@@ -168,7 +168,8 @@ def _job(tmp_path, name, steps=8, callbacks=(), ckpt_path=None, train_lra=True, 
                         data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
                         heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[2, 3]),
                         calibration=CalibrationConfig(), train_data=data, val=val,
-                        recovery=RecoveryConfig(method=method, train_lra=train_lra, lora_r=4, lr=2e-3, warmup_steps=2),
+                        recovery=RecoveryConfig(method=method, train_lra=train_lra, lora_r=4, lr=2e-3, warmup_steps=2,
+                                                **recovery),
                         output_dir=str(out), ckpt_path=ckpt_path)
 
 
@@ -239,3 +240,36 @@ def test_chunked_loss_equals_full_logits_and_alpaca_targets_the_response(tmp_pat
     g1 = torch.autograd.grad(lm_nll_sum(out.last_hidden_state.detach(), model.lm_head, ids, mask, 5, loss_mask=tgt)[0], w)[0]
     g2 = torch.autograd.grad((token_nll(model.lm_head(out.last_hidden_state.detach()), ids, mask)[0] * valid).sum(), w)[0]
     assert_close(g1.double(), g2, rtol=1e-5, atol=1e-7)
+
+
+class _BlockCalls(L.Callback):
+    """Counts the calls of the last decoder block's MLP during training (inside the checkpointed forward)."""
+
+    def __init__(self):
+        self.n, self._h = 0, None
+
+    def on_train_start(self, trainer, pl_module):
+        def count(*_):
+            self.n += 1
+        self._h = decoder_layers(base_model(pl_module.model))[-1].mlp.register_forward_pre_hook(count)
+
+    def on_train_end(self, trainer, pl_module):
+        self._h.remove()
+
+
+@pytest.mark.parametrize("method", ["lora", "partial"])
+def test_gradient_checkpointing_gives_the_same_training(tmp_path, method):
+    """Recomputing activations (LoRA dropout, trained LRAs and their hooks inside the recomputed
+    blocks) must not change the loss trajectory or the exported weights."""
+    calls = {"plain": _BlockCalls(), "ckpt": _BlockCalls()}
+    plain = _job(tmp_path, "plain", steps=4, method=method, callbacks=[calls["plain"]])
+    ckpt = _job(tmp_path, "ckpt", steps=4, method=method, gradient_checkpointing=True, callbacks=[calls["ckpt"]])
+    # every training forward (4 steps x 2 accumulated batches) ran the block again in the backward pass
+    assert calls["ckpt"].n - calls["plain"].n == 4 * 2 and calls["plain"].n > 0
+    assert_close(torch.tensor(ckpt.report["loss_history"]), torch.tensor(plain.report["loss_history"]),
+                 rtol=1e-5, atol=1e-6)
+    a, _ = load_pretrained(tmp_path / "plain")
+    b, _ = load_pretrained(tmp_path / "ckpt")
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb
+        assert_close(va, vb, rtol=1e-5, atol=1e-6)
