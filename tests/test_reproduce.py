@@ -35,6 +35,7 @@ def test_grid_runs_resumes_and_renders(tmp_path):
     assert rs["trunk_cache"]["hits"] > 0 and rs["trunk_cache"]["misses"] == 0
     md = (tmp_path / "tiny.md").read_text()
     assert "| reverse_star | +ReplaceMe |" in md and "Gain" in md
+    assert "Over 2 criteria with both runs: +LRA beats pruned on Avg in" in md and "LRA − ReplaceMe (Avg)" in md
     assert (tmp_path / "tiny.png").exists()
     # a second run finds everything done: nothing is recomputed or rewritten
     stamp = (folder / "reverse_star" / "lra.json").stat().st_mtime_ns

@@ -400,8 +400,53 @@ def markdown(rows: list[dict], info: dict, cfg: ReproduceConfig) -> str:
                          + " | ".join(_ppl(r["ppl"][p]) for p in ppl_sets) + " |")
     if info["pending"]:
         lines += ["", f"Pending: {len(info['pending'])} runs ({', '.join(info['pending'])})."]
+    lines += ["", *summary(rows, cfg)]
     lines += ["", f"Software: {info['software']}."]
     return "\n".join(lines) + "\n"
+
+
+def _diff(d: dict, key: str) -> str:
+    v, (lo, hi) = d[f"{key}_diff"], d[f"{key}_diff_ci"]
+    mark = "↑" if lo > 0 else "↓" if hi < 0 else ""
+    return f"{100 * v:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]{mark}"
+
+
+def summary(rows: list[dict], cfg: ReproduceConfig) -> list[str]:
+    """Per criterion: what the LRA gains over pruning (Avg, Robust, PPL) and how it compares with each
+    peer map, then the counts over criteria. ↑/↓: the 95% interval lies above/below zero."""
+    by = {(r["criterion"], r["variant"]): r for r in rows}
+    peers = [v for v in ("nobias", "affine", "replaceme", "linearpatch", "lra_guard") if v in cfg.variants]
+    ppl_sets = list(by[("none", "original")]["ppl"])
+    head = ("| criterion | Gain Avg | Gain Robust | " + " | ".join(f"{PPL_LABELS.get(p, Path(p).name)} PPL pruned → +LRA"
+                                                          for p in ppl_sets)
+            + "".join(f" | LRA − {LABELS[v].lstrip('+')} (Avg)" for v in peers) + " |")
+    lines = ["## Summary: +LRA against pruning and against the peer maps", "",
+             "Differences in points with 95% paired bootstrap intervals; ↑ / ↓: the interval lies above / below 0.", "",
+             head, "|---|---:|---:|" + "---:|" * len(ppl_sets) + "---:|" * len(peers)]
+    count = {"avg": [0, 0, 0], "robust": [0, 0, 0], **{p: [0, 0] for p in ppl_sets}}
+    n = 0
+    for crit in cfg.criteria:
+        lra, pr = by.get((crit, "lra")), by.get((crit, "pruned"))
+        if lra is None or pr is None:
+            continue
+        n += 1
+        d = lra["vs_pruned"]
+        for k in ("avg", "robust"):
+            count[k][0] += d[f"{k}_diff"] > 0
+            count[k][1] += d[f"{k}_diff_ci"][0] > 0
+            count[k][2] += d[f"{k}_diff_ci"][1] < 0
+        for p in ppl_sets:
+            count[p][0] += lra["ppl"][p] < pr["ppl"][p]
+        cells = [_diff(d, "avg"), _diff(d, "robust")] + [f"{_ppl(pr['ppl'][p])} → {_ppl(lra['ppl'][p])}"
+                                                         for p in ppl_sets]
+        cells += [_diff(by[(crit, v)]["lra_minus_this"], "avg") if (crit, v) in by else "…" for v in peers]
+        lines.append(f"| {crit} | " + " | ".join(cells) + " |")
+    if n:
+        lines += ["", f"Over {n} criteria with both runs: +LRA beats pruned on Avg in {count['avg'][0]} "
+                  f"(interval above 0 in {count['avg'][1]}, below 0 in {count['avg'][2]}), on Robust in "
+                  f"{count['robust'][0]} (above {count['robust'][1]}, below {count['robust'][2]}), "
+                  + ", ".join(f"on {PPL_LABELS.get(p, Path(p).name)} PPL in {count[p][0]}" for p in ppl_sets) + "."]
+    return lines
 
 
 def _blocks(layers) -> str:
