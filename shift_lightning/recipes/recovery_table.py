@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -136,6 +137,9 @@ def run(cfg: RecoveryTableConfig) -> Path:
 
             from ..evaluation.callbacks import ZeroShotAccuracy
 
+            stale = out / "tb" / crit / name  # events of an earlier, interrupted attempt would mix into the curves
+            if stale.exists():
+                shutil.rmtree(stale)
             trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=cfg.steps, val_check_interval=cfg.val_every,
                                 check_val_every_n_epoch=None, use_distributed_sampler=False, inference_mode=False,
                                 num_sanity_val_steps=0, gradient_clip_val=1.0, log_every_n_steps=5,
