@@ -72,3 +72,35 @@ def test_ablations_run_and_render_on_a_tiny_model(tmp_path):
     md = (tmp_path / "abl" / "tiny.md").read_text()
     assert "## Calibration samples" in md and "| reverse_star | ratio=0.5/lra |" in md
     assert (tmp_path / "abl" / "tiny.png").exists()
+
+
+def test_recovery_table_runs_resumes_and_plots_on_a_tiny_model(tmp_path):
+    """The fine-tuning table end to end: runs, table (JSON + markdown), curves read back from the event
+    files; a finished run is skipped, a restarted one does not mix an interrupted attempt's events in."""
+    from shift_lightning.recipes.recovery_table import RecoveryTableConfig, read_curves, run
+    from shift_lightning.recipes.reproduce import ReproduceConfig
+
+    grid = ReproduceConfig(model="tiny", tiny={"family": "llama", "num_hidden_layers": 8, "max_position_embeddings": 512},
+                           calib_samples=6, seq_len=64, select_samples=4, select_seq_len=32, docs=4, ppl_windows=2,
+                           text_source=str(ROOT / "tests" / "data" / "tiny_corpus.txt"),
+                           eval_data_dir=str(ROOT / "tests" / "data" / "eval_tiny"),
+                           ppl_sets=[str(ROOT / "tests" / "data" / "tiny_heldout.txt")], out=str(tmp_path / "paper"))
+    cfg = RecoveryTableConfig(model="tiny", criteria=["reverse_star"], runs=["lora", "lra_trained_lora"], steps=4,
+                              batch_size=2, seq_len=32, train_samples=8, val_samples=2, val_every=2, curve_docs=2,
+                              lora_r=2, grid=grid, out=str(tmp_path / "rec"))
+    out = run(cfg)
+    table = json.loads((out / "recovery.json").read_text())
+    assert {(r["criterion"], r["run"]) for r in table["rows"]} == {("reverse_star", "lora"),
+                                                                 ("reverse_star", "lra_trained_lora")}
+    assert all(r["steps"] == 4 and 0 < r["avg"] <= 1 for r in table["rows"])
+    assert "pruned + LRA (trained) + LoRA" in (out / "recovery.md").read_text()
+    assert (out / "curves.png").exists()
+    curve = read_curves(out / "tb" / "reverse_star" / "lora")
+    assert [s for s, _ in curve["zeroshot/avg"]] == [0, 2, 4] and [s for s, _ in curve["val/ppl"]] == [0, 2, 4]
+    # rerun: the finished run is skipped; a run whose JSON is gone is redone from a clean event folder
+    stamp = (out / "reverse_star" / "lora.json").stat().st_mtime_ns
+    (out / "reverse_star" / "lra_trained_lora.json").unlink()
+    run(cfg)
+    assert (out / "reverse_star" / "lora.json").stat().st_mtime_ns == stamp
+    redone = read_curves(out / "tb" / "reverse_star" / "lra_trained_lora")
+    assert [s for s, _ in redone["val/ppl"]] == [0, 2, 4]

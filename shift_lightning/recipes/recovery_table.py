@@ -80,6 +80,8 @@ class RecoveryTableConfig:
     """Learning rate of a trained LRA."""
     lora_r: int = 8
     """LoRA rank."""
+    val_samples: int = 8
+    """Held-out windows (of the grid's ``seq_len``) for ``val/ppl``."""
     val_every: int = 25
     """Steps between validations (val/ppl and zeroshot/avg in TensorBoard)."""
     curve_docs: int = 25
@@ -102,16 +104,19 @@ def run(cfg: RecoveryTableConfig) -> Path:
         render(out, cfg)
         return out
     g = cfg.grid
-    base, tok = load_pretrained(ModelConfig(name_or_path=cfg.model))
+    base, tok = load_pretrained(ModelConfig(name_or_path=cfg.model, tiny=g.tiny))
     mtype = base.config.model_type
     ev = _eval_config(g, base.config.vocab_size)
     evaluator = make_evaluator(base, tok, ev)
     curve = EvalConfig(tasks=ev.tasks, limit=cfg.curve_docs, sample_seed=g.sample_seed, progress=False,
                        max_batch_tokens=ev.max_batch_tokens)
-    calib = build_windows(TextDataConfig(num_samples=g.calib_samples, seq_len=g.seq_len), tok, mtype)
-    select_w = build_windows(TextDataConfig(num_samples=g.select_samples, seq_len=g.select_seq_len), tok, mtype)
-    train_data = TextDataConfig(num_samples=cfg.train_samples, seq_len=cfg.seq_len, seed=1, batch_size=cfg.batch_size)
-    val = TextDataConfig(split="heldout", num_samples=8, seq_len=512)
+    src = g.text_source
+    calib = build_windows(TextDataConfig(source=src, num_samples=g.calib_samples, seq_len=g.seq_len), tok, mtype)
+    select_w = build_windows(TextDataConfig(source=src, num_samples=g.select_samples, seq_len=g.select_seq_len),
+                             tok, mtype)
+    train_data = TextDataConfig(source=src, num_samples=cfg.train_samples, seq_len=cfg.seq_len, seed=1,
+                                batch_size=cfg.batch_size)
+    val = TextDataConfig(source=src, split="heldout", num_samples=cfg.val_samples, seq_len=g.seq_len)
     for crit in cfg.criteria:
         todo = [r for r in cfg.runs if not (out / crit / f"{r}.json").exists()]
         if not todo:
@@ -159,7 +164,7 @@ def run(cfg: RecoveryTableConfig) -> Path:
                    "config": _jsonable(cfg), "command": rerun_command(cfg), "software": _software()}
             write_json_atomic(out / crit / f"{name}.json", doc)
             log.info("%s %s: avg %.2f, wiki PPL %.3f (train %.0f s)", crit, name, 100 * res["average"],
-                     res["perplexity"]["wiki_summaries"]["ppl"], t1 - t0)
+                     res["perplexity"][g.ppl_sets[0]]["ppl"], t1 - t0)
             render(out, cfg)
     render(out, cfg)
     return out
@@ -209,6 +214,7 @@ def render(out: Path, cfg: RecoveryTableConfig) -> None:
                                                   p: e["ppl"] for p, e in r["perplexity"].items()}}
                                                   for (c, v), r in ref.items()}})
     any_run = next(iter(runs.values()))
+    sets = list(any_run["perplexity"])
     lines = [f"# Fine-tuning after pruning: {cfg.model}, {int(100 * cfg.ratio)}% depth pruning", "",
              f"Every run: {cfg.steps} steps × {cfg.batch_size} windows × {cfg.seq_len} tokens of wiki-summaries "
              f"(calibration split, seed 1), the same order (seed {cfg.seed}); LoRA r={cfg.lora_r} on attention + MLP at "
@@ -216,25 +222,30 @@ def render(out: Path, cfg: RecoveryTableConfig) -> None:
              f"LRA at lr {cfg.lra_lr:g}; warm-up then cosine. Zero-shot avg on the results tables' "
              f"{cfg.grid.docs} seeded docs per task (7 tasks); PPL on the same windows as results/paper.", "",
              f"Command: `{any_run['command']}`", "",
-             "| criterion | run | trainable params | Avg | wiki PPL | LAMBADA PPL |", "|---|---|---:|---:|---:|---:|"]
+             "| criterion | run | trainable params | Avg | " + " | ".join(f"{_set_label(p)} PPL" for p in sets) + " |",
+             "|---|---|---:|---:|" + "---:|" * len(sets)]
     for crit in cfg.criteria:
         for v, label in (("pruned", "pruned (no training; results/paper)"), ("lra", "pruned + LRA (no training; results/paper)")):
             r = ref.get((crit, v))
             if r:
                 lines.append(f"| {crit} | {label} | 0 | {100 * r['average']:.2f} | "
-                             f"{_ppl(r['perplexity']['wiki_summaries']['ppl'])} | {_ppl(r['perplexity']['lambada']['ppl'])} |")
+                             + " | ".join(_ppl(r["perplexity"][p]["ppl"]) for p in sets) + " |")
         for name in cfg.runs:
             d = runs.get((crit, name))
             if d is None:
-                lines.append(f"| {crit} | {LABELS[name]} | … | … | … | … |")
+                lines.append(f"| {crit} | {LABELS[name]} | … | … | " + " | ".join("…" for _ in sets) + " |")
                 continue
             lines.append(f"| {crit} | {d['label']} | {d['trainable_params']:,} | {100 * d['average']:.2f} | "
-                         f"{_ppl(d['perplexity']['wiki_summaries']['ppl'])} | {_ppl(d['perplexity']['lambada']['ppl'])} |")
+                         + " | ".join(_ppl(d["perplexity"][p]["ppl"]) for p in sets) + " |")
     (out / "recovery.md").write_text("\n".join(lines) + "\n")
     try:
         plot_curves(out, cfg)
     except ImportError:
         log.warning("matplotlib not installed: no curves plot")
+
+
+def _set_label(p: str) -> str:
+    return {"wiki_summaries": "wiki", "lambada": "LAMBADA"}.get(p, Path(p).stem)
 
 
 def _ppl(v: float) -> str:
