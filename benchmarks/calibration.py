@@ -103,7 +103,6 @@ def batches(win, bs, dev):
 def section_timing(model, tok, dev, removed, a) -> dict:
     full = C.windows(model, tok, a.samples, a.seq_len)
     trainer = make_trainer(dev)
-    blocks = decoder_layers(model)
     last = max(removed)
     current = {"win": full}  # warm-up runs every variant once on the first batch only
 
@@ -112,20 +111,8 @@ def section_timing(model, tok, dev, removed, a) -> dict:
         for ids, m in batches(current["win"], a.batch_size, dev):
             model(input_ids=ids, attention_mask=m, use_cache=False)
 
-    @torch.no_grad()
     def trunk():
-        def stop(*_):
-            raise _Stop
-
-        h = blocks[last].register_forward_hook(stop)
-        try:
-            for ids, m in batches(current["win"], a.batch_size, dev):
-                try:
-                    model(input_ids=ids, attention_mask=m, use_cache=False)
-                except _Stop:
-                    pass
-        finally:
-            h.remove()
+        _bare_trunk(model, current["win"], a.batch_size, dev, last)
 
     splits: dict[str, list] = {}
     split = Split(dev)

@@ -173,6 +173,15 @@ def _job(tmp_path, name, steps=8, callbacks=(), ckpt_path=None, train_lra=True, 
                         output_dir=str(out), ckpt_path=ckpt_path)
 
 
+def _assert_same_exports(dir_a: Path, dir_b: Path, rtol: float, atol: float) -> None:
+    a, _ = load_pretrained(dir_a)
+    b, _ = load_pretrained(dir_b)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:
+        assert_close(sa[k], sb[k], rtol=rtol, atol=atol)
+
+
 def test_resume_equals_uninterrupted_and_checkpoints_hold_only_what_trains(tmp_path):
     full = _job(tmp_path, "full")
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -188,11 +197,7 @@ def test_resume_equals_uninterrupted_and_checkpoints_hold_only_what_trains(tmp_p
     assert resumed.report["steps"] == full.report["steps"] == 8
     assert_close(torch.tensor(resumed.report["loss_history"]), torch.tensor(full.report["loss_history"][3 * 2:]),
                  rtol=1e-6, atol=1e-7)
-    a, _ = load_pretrained(tmp_path / "full")
-    b, _ = load_pretrained(tmp_path / "cut")
-    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
-        assert ka == kb
-        assert_close(va, vb, rtol=1e-6, atol=1e-7)
+    _assert_same_exports(tmp_path / "full", tmp_path / "cut", rtol=1e-6, atol=1e-7)
 
 
 def test_lras_change_only_when_trained_and_zero_steps_export_no_recovery(tmp_path):
@@ -268,8 +273,4 @@ def test_gradient_checkpointing_gives_the_same_training(tmp_path, method):
     assert calls["ckpt"].n - calls["plain"].n == 4 * 2 and calls["plain"].n > 0
     assert_close(torch.tensor(ckpt.report["loss_history"]), torch.tensor(plain.report["loss_history"]),
                  rtol=1e-5, atol=1e-6)
-    a, _ = load_pretrained(tmp_path / "plain")
-    b, _ = load_pretrained(tmp_path / "ckpt")
-    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
-        assert ka == kb
-        assert_close(va, vb, rtol=1e-5, atol=1e-6)
+    _assert_same_exports(tmp_path / "plain", tmp_path / "ckpt", rtol=1e-5, atol=1e-6)
