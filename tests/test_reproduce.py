@@ -85,6 +85,9 @@ def test_recovery_table_runs_resumes_and_plots_on_a_tiny_model(tmp_path):
                            text_source=str(ROOT / "tests" / "data" / "tiny_corpus.txt"),
                            eval_data_dir=str(ROOT / "tests" / "data" / "eval_tiny"),
                            ppl_sets=[str(ROOT / "tests" / "data" / "tiny_heldout.txt")], out=str(tmp_path / "paper"))
+    from shift_lightning.recipes.reproduce import run as run_grid
+
+    run_grid(ReproduceConfig(**{**grid.__dict__, "criteria": ["reverse_star"], "variants": ["pruned", "lra"]}))
     cfg = RecoveryTableConfig(model="tiny", criteria=["reverse_star"], runs=["lora", "lra_trained_lora"], steps=4,
                               batch_size=2, seq_len=32, train_samples=8, val_samples=2, val_every=2, curve_docs=2,
                               lora_r=2, grid=grid, out=str(tmp_path / "rec"))
@@ -93,7 +96,9 @@ def test_recovery_table_runs_resumes_and_plots_on_a_tiny_model(tmp_path):
     assert {(r["criterion"], r["run"]) for r in table["rows"]} == {("reverse_star", "lora"),
                                                                  ("reverse_star", "lra_trained_lora")}
     assert all(r["steps"] == 4 and 0 < r["avg"] <= 1 for r in table["rows"])
-    assert "pruned + LRA (trained) + LoRA" in (out / "recovery.md").read_text()
+    assert all("robust" in r and len(r["robust_ci"]) == 2 for r in table["rows"])  # against the grid's original
+    md = (out / "recovery.md").read_text()
+    assert "pruned + LRA (trained) + LoRA" in md and "pruned + LRA (no training; results/paper)" in md
     assert (out / "curves.png").exists()
     curve = read_curves(out / "tb" / "reverse_star" / "lora")
     assert [s for s, _ in curve["zeroshot/avg"]] == [0, 2, 4] and [s for s, _ in curve["val/ppl"]] == [0, 2, 4]

@@ -203,10 +203,12 @@ def render(out: Path, cfg: RecoveryTableConfig) -> None:
             f = paper / crit / f"{v}.json"
             if f.exists():
                 ref[(crit, v)] = json.loads(f.read_text())
+    robust = _robust(paper, runs, ref)
     rows = []
     for (crit, name), d in runs.items():
         rows.append({"criterion": crit, "run": name, "label": d["label"], "steps": d["steps"],
                      "trainable_params": d["trainable_params"], "avg": d["average"],
+                     **robust.get(f"{crit}/{name}", {}),
                      "tasks": {t: e["value"] for t, e in d["tasks"].items()},
                      "ppl": {p: e["ppl"] for p, e in d["perplexity"].items()}})
     write_json_atomic(out / "recovery.json", {"rows": rows, "config": _jsonable(cfg),
@@ -220,28 +222,58 @@ def render(out: Path, cfg: RecoveryTableConfig) -> None:
              f"(calibration split, seed 1), the same order (seed {cfg.seed}); LoRA r={cfg.lora_r} on attention + MLP at "
              f"lr {cfg.lr:g}, partial-layer FT at lr {cfg.lr / 10:g} on the block after each pruning site, a trained "
              f"LRA at lr {cfg.lra_lr:g}; warm-up then cosine. Zero-shot avg on the results tables' "
-             f"{cfg.grid.docs} seeded docs per task (7 tasks); PPL on the same windows as results/paper.", "",
+             f"{cfg.grid.docs} seeded docs per task (7 tasks); **Robust**: the share of the original's above-chance accuracy "
+             "kept (as in results/paper, 95% bootstrap interval over docs); PPL on the same windows as results/paper.",
+             "",
              f"Command: `{any_run['command']}`", "",
-             "| criterion | run | trainable params | Avg | " + " | ".join(f"{_set_label(p)} PPL" for p in sets) + " |",
-             "|---|---|---:|---:|" + "---:|" * len(sets)]
+             "| criterion | run | trainable params | Avg | Robust | " + " | ".join(f"{_set_label(p)} PPL" for p in sets)
+             + " |", "|---|---|---:|---:|---:|" + "---:|" * len(sets)]
     for crit in cfg.criteria:
         for v, label in (("pruned", "pruned (no training; results/paper)"), ("lra", "pruned + LRA (no training; results/paper)")):
             r = ref.get((crit, v))
             if r:
                 lines.append(f"| {crit} | {label} | 0 | {100 * r['average']:.2f} | "
+                             f"{_robust_cell(robust.get(f'paper:{crit}/{v}'))} | "
                              + " | ".join(_ppl(r["perplexity"][p]["ppl"]) for p in sets) + " |")
         for name in cfg.runs:
             d = runs.get((crit, name))
             if d is None:
-                lines.append(f"| {crit} | {LABELS[name]} | … | … | " + " | ".join("…" for _ in sets) + " |")
+                lines.append(f"| {crit} | {LABELS[name]} | … | … | … | " + " | ".join("…" for _ in sets) + " |")
                 continue
             lines.append(f"| {crit} | {d['label']} | {d['trainable_params']:,} | {100 * d['average']:.2f} | "
+                         f"{_robust_cell(robust.get(f'{crit}/{name}'))} | "
                          + " | ".join(_ppl(d["perplexity"][p]["ppl"]) for p in sets) + " |")
     (out / "recovery.md").write_text("\n".join(lines) + "\n")
     try:
         plot_curves(out, cfg)
     except ImportError:
         log.warning("matplotlib not installed: no curves plot")
+
+
+def _robust(paper: Path, runs: dict, ref: dict) -> dict[str, dict]:
+    """Robust summary (share of the original's above-chance accuracy kept, with a 95% bootstrap
+    interval) of every run, against the paper grid's original model scored on the same docs."""
+    from ..evaluation.summary import Bootstrap
+
+    orig = paper / "original.json"
+    if not orig.exists():
+        return {}
+    named = {"original": json.loads(orig.read_text()), **{f"{c}/{n}": d for (c, n), d in runs.items()},
+             **{f"paper:{c}/{v}": r for (c, v), r in ref.items()}}
+    boot = Bootstrap(named, "original")
+    out = {}
+    for name in named:
+        if name != "original":
+            summ = boot.summary(name)
+            out[name] = {"robust": summ["robust"], "robust_ci": summ["robust_ci"]}
+    return out
+
+
+def _robust_cell(r: dict | None) -> str:
+    if not r or r["robust"] != r["robust"]:
+        return "–"
+    lo, hi = r["robust_ci"]
+    return f"{100 * r['robust']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
 def _set_label(p: str) -> str:
@@ -287,7 +319,8 @@ def plot_curves(out: Path, cfg: RecoveryTableConfig) -> None:
         axes[1][j].set_title(f"{crit}: held-out val PPL")
         axes[1][j].set_yscale("log")
         axes[1][j].set_xlabel("step")
-        axes[0][j].legend(fontsize=8)
+        if axes[0][j].get_legend_handles_labels()[0]:
+            axes[0][j].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "curves.png", dpi=110)
     plt.close(fig)
