@@ -109,3 +109,53 @@ def test_recovery_table_runs_resumes_and_plots_on_a_tiny_model(tmp_path):
     assert (out / "reverse_star" / "lora.json").stat().st_mtime_ns == stamp
     redone = read_curves(out / "tb" / "reverse_star" / "lra_trained_lora")
     assert [s for s, _ in redone["val/ppl"]] == [0, 2, 4]
+
+
+def _tiny_grid(tmp_path, **kw):
+    from shift_lightning.recipes.reproduce import ReproduceConfig
+
+    return ReproduceConfig(model="tiny", tiny={"family": "llama", "num_hidden_layers": 8, "max_position_embeddings": 512},
+                           criteria=["reverse_star", "block_influence"], ratio=0.25, calib_samples=6, seq_len=64,
+                           select_samples=4, select_seq_len=32, heldout_samples=3, docs=4, ppl_windows=2,
+                           text_source=str(ROOT / "tests" / "data" / "tiny_corpus.txt"),
+                           eval_data_dir=str(ROOT / "tests" / "data" / "eval_tiny"),
+                           ppl_sets=[str(ROOT / "tests" / "data" / "tiny_heldout.txt")], n_boot=50, **kw)
+
+
+def test_grid_device_cuda_without_a_gpu_is_a_clear_error(tmp_path, monkeypatch):
+    import pytest
+    import torch
+
+    from shift_lightning.errors import ConfigError
+    from shift_lightning.recipes.reproduce import resolve_device, run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto").type == "cpu"
+    with pytest.raises(ConfigError, match="no GPU is visible"):
+        run(_tiny_grid(tmp_path, device="cuda", out=str(tmp_path)))
+
+
+def test_grid_on_gpu_equals_cpu(tmp_path):
+    """Every run of the grid on the GPU (selection, calibration of every kind, the peers' folds, the
+    trunk cache, scoring) gives the CPU's numbers: same blocks, accuracies within one doc, PPL to 1e-3."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from shift_lightning.recipes.reproduce import VARIANTS, run
+
+    cpu = run(_tiny_grid(tmp_path, device="cpu", out=str(tmp_path / "cpu")))
+    gpu = run(_tiny_grid(tmp_path, device="cuda", out=str(tmp_path / "gpu")))
+    for f in sorted(cpu.rglob("*.json")):
+        a, b = json.loads(f.read_text()), json.loads((gpu / f.relative_to(cpu)).read_text())
+        if f.name == "selection.json":
+            assert a["layers"] == b["layers"]
+            continue
+        assert b["software"]["device"].startswith("cuda") and a["software"]["device"] == "cpu"
+        for t in a["tasks"]:
+            assert abs(a["tasks"][t]["value"] - b["tasks"][t]["value"]) <= 1 / a["tasks"][t]["n"] + 1e-9, (f, t)
+        for p in a["perplexity"]:
+            x, y = a["perplexity"][p]["ppl"], b["perplexity"][p]["ppl"]
+            assert abs(x - y) <= 1e-3 * x, (f, p, x, y)
+    assert len(list(gpu.rglob("*.json"))) == 1 + 2 * (1 + len(VARIANTS))

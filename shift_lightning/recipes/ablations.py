@@ -49,7 +49,7 @@ from ..models import ModelConfig, num_params
 from ..outputs import write_json_atomic
 from ..selection import select_blocks
 from ..surgery import apply_correction, detach_adapters, load_pretrained, remove_blocks
-from .reproduce import ReproduceConfig, _eval_config, _model_key, _row_doc, _software, _trainer_factory
+from .reproduce import ReproduceConfig, _eval_config, _model_key, _row_doc, _software, _trainer_factory, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -123,16 +123,17 @@ def run(cfg: AblationConfig) -> Path:
         render(folder, cfg)
         return folder
     g = cfg.grid
-    lm, tok = load_pretrained(ModelConfig(name_or_path=cfg.model, tiny=g.tiny))
+    device = resolve_device(g.device)
+    lm, tok = load_pretrained(ModelConfig(name_or_path=cfg.model, tiny=g.tiny), device=device)
     n_layers = len(decoder_layers(lm))
     mtype = lm.config.model_type
-    ev = _eval_config(ReproduceConfig(**{**asdict(g), "docs": cfg.docs}), lm.config.vocab_size)
+    ev = _eval_config(ReproduceConfig(**{**asdict(g), "docs": cfg.docs}), lm.config.vocab_size, device)
     evaluator = make_evaluator(lm, tok, ev)
     select_w = build_windows(TextDataConfig(source=g.text_source, num_samples=g.select_samples,
                                             seq_len=g.select_seq_len), tok, mtype)
-    make_trainer = _trainer_factory()
+    make_trainer = _trainer_factory(device)
     meta = {"model": cfg.model, "layers": n_layers, "config": json.loads(json.dumps(asdict(cfg), default=str)),
-            "eval": asdict(ev), "command": rerun_command(cfg), "software": _software()}
+            "eval": asdict(ev), "command": rerun_command(cfg), "software": _software(device)}
     orig_file = folder / "original.json"
     if not orig_file.exists():
         t0 = time.time()
@@ -158,7 +159,10 @@ def _selection(cfg, crit, ratio, lm, select_w, make_trainer) -> list[int]:
     cached = Path(g.out) / _model_key(cfg.model) / crit / "selection.json"
     if ratio == g.ratio and cached.exists():  # the grid's own choice for this criterion
         return sorted(json.loads(cached.read_text())["layers"])
-    return sorted(select_blocks(PruneConfig(ratio=ratio, criterion=crit), lm, select_w, make_trainer).layers)
+    device = lm.device
+    layers = sorted(select_blocks(PruneConfig(ratio=ratio, criterion=crit), lm, select_w, make_trainer).layers)
+    lm.to(device)  # the pass's teardown left it on the CPU
+    return layers
 
 
 def _run_criterion(cfg, crit, lm, tok, ev, evaluator, select_w, make_trainer, meta, cdir: Path):
@@ -168,6 +172,7 @@ def _run_criterion(cfg, crit, lm, tok, ev, evaluator, select_w, make_trainer, me
         return
     n_layers = len(decoder_layers(lm))
     mtype = lm.config.model_type
+    device = lm.device
     layers = _selection(cfg, crit, g.ratio, lm, select_w, make_trainer)
     log.info("%s ablations, %s: blocks %s; %d runs to do", cfg.model, crit, layers, len(todo))
     base = CalibrationConfig(damping=g.damping, heldout=False)
@@ -206,6 +211,7 @@ def _run_criterion(cfg, crit, lm, tok, ev, evaluator, select_w, make_trainer, me
     def calibrate(windows, cfg_cal: CalibrationConfig) -> CalibrationModule:
         mod = fresh(cfg_cal)
         mod.calibrate(make_trainer(), windows, batch_size=4)
+        lm.to(device)  # the pass's teardown left it on the CPU
         return mod
 
     def solved(stats_from: CalibrationModule, cfg_cal: CalibrationConfig) -> CalibrationModule:
@@ -271,6 +277,7 @@ def _run_criterion(cfg, crit, lm, tok, ev, evaluator, select_w, make_trainer, me
         model = copy.deepcopy(lm)
         mod = CalibrationModule(model, lay, base)
         mod.calibrate(make_trainer(), wins64, batch_size=4)
+        model.to(device)  # the pass's teardown left it on the CPU
         corr = mod.correction("residual")
         remove_blocks(model, lay)
         m_layers[id(model)] = lay

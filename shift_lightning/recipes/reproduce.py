@@ -110,6 +110,9 @@ class ReproduceConfig:
     """Only render the tables from the runs already on disk."""
     n_boot: int = 2000
     """Bootstrap resamples for the intervals."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the runs go: ``auto`` = the first GPU when there is one, else the CPU. Every run file
+    records the device; on a GPU float32 matmuls stay full float32 (TF32 off), as on the CPU."""
 
 
 def rerun_command(cfg: ReproduceConfig) -> str:
@@ -122,8 +125,25 @@ def _model_key(name: str) -> str:
     return Path(name).name.replace("/", "_")
 
 
-def _eval_config(cfg: ReproduceConfig, vocab: int) -> EvalConfig:
-    mbt = cfg.max_batch_tokens or (2048 if vocab > 100_000 else 8192)
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → ``cuda`` when a GPU is visible, else ``cpu``. On a GPU, TF32 is switched off so
+    float32 matmuls keep float32 precision (the CPU's)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no GPU is visible to torch (torch.cuda.is_available() is False); "
+                              "use --device cpu or auto")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _eval_config(cfg: ReproduceConfig, vocab: int, device: torch.device | None = None) -> EvalConfig:
+    gpu = device is not None and device.type == "cuda"
+    mbt = cfg.max_batch_tokens or ((16384 if vocab > 100_000 else 32768) if gpu else
+                                   (2048 if vocab > 100_000 else 8192))
     return EvalConfig(tasks=",".join(DEFAULT_TASKS), limit=cfg.docs, sample_seed=cfg.sample_seed,
                       ppl=",".join(cfg.ppl_sets), ppl_seq_len=cfg.seq_len, ppl_max_windows=cfg.ppl_windows,
                       max_batch_tokens=mbt, progress=False, data_dir=cfg.eval_data_dir)
@@ -137,21 +157,30 @@ def _row_doc(res: dict) -> dict:
             "eval_seconds": res["seconds"]}
 
 
-def _software() -> dict:
+def _software(device: torch.device | None = None) -> dict:
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "machine": f"{platform.machine()}, {torch.get_num_threads()} threads"}
+    out = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+           "machine": f"{platform.machine()}, {torch.get_num_threads()} threads"}
+    if device is not None and device.type == "cuda":
+        out["device"] = f"cuda: {torch.cuda.get_device_name(device)}, tf32 off"
+    else:
+        out["device"] = "cpu"
+    return out
 
 
-def _trainer_factory():
+def _trainer_factory(device: torch.device | None = None):
+    """One quiet single-process Trainer on ``device``, reused for every pass. Lightning moves the
+    module back to the CPU when a pass ends: callers move their model back with ``.to(device)``."""
     import lightning as L
 
     cache = []
+    gpu = device is not None and device.type == "cuda"
 
     def make():
         if not cache:
-            cache.append(L.Trainer(accelerator="cpu", devices=1, inference_mode=False, logger=False,
+            cache.append(L.Trainer(accelerator="gpu" if gpu else "cpu", devices=[device.index or 0] if gpu else 1,
+                                   inference_mode=False, logger=False,
                                    enable_checkpointing=False, enable_progress_bar=False,
                                    enable_model_summary=False, use_distributed_sampler=False))
         return cache[0]
@@ -172,12 +201,13 @@ def run(cfg: ReproduceConfig) -> Path:
         render(folder, cfg)
         return folder
     command = rerun_command(cfg)
-    lm, tok = load_pretrained(ModelConfig(name_or_path=cfg.model, tiny=cfg.tiny))
+    device = resolve_device(cfg.device)
+    lm, tok = load_pretrained(ModelConfig(name_or_path=cfg.model, tiny=cfg.tiny), device=device)
     n_layers = len(decoder_layers(lm))
-    ev = _eval_config(cfg, lm.config.vocab_size)
+    ev = _eval_config(cfg, lm.config.vocab_size, device)
     evaluator = make_evaluator(lm, tok, ev)  # docs and perplexity windows loaded once for every row
     meta = {"model": cfg.model, "model_type": lm.config.model_type, "layers": n_layers, "config": asdict(cfg),
-            "eval": asdict(ev), "command": command, "software": _software()}
+            "eval": asdict(ev), "command": command, "software": _software(device)}
 
     orig_file = folder / "original.json"
     if not orig_file.exists():
@@ -196,7 +226,7 @@ def run(cfg: ReproduceConfig) -> Path:
                                         seq_len=cfg.seq_len), tok, mtype)
     select_w = build_windows(TextDataConfig(source=src, num_samples=cfg.select_samples, seq_len=cfg.select_seq_len),
                              tok, mtype)
-    make_trainer = _trainer_factory()
+    make_trainer = _trainer_factory(device)
 
     for crit in cfg.criteria:
         cdir = folder / crit
@@ -209,6 +239,7 @@ def run(cfg: ReproduceConfig) -> Path:
         else:
             t0 = time.time()
             s = select_blocks(PruneConfig(ratio=cfg.ratio, criterion=crit), lm, select_w, make_trainer)
+            lm.to(device)  # the pass's teardown left it on the CPU
             sel = {**s.to_dict(), "seconds": time.time() - t0, "windows": cfg.select_samples,
                    "seq_len": cfg.select_seq_len}
             write_json_atomic(sel_file, sel)
@@ -229,6 +260,7 @@ def _run_criterion(cfg, lm, tok, ev, evaluator, crit, layers, missing, calib, he
         module = CalibrationModule(model, layers, CalibrationConfig(damping=cfg.damping, guard_every=cfg.guard_every),
                                    kinds=kinds)
         module.calibrate(make_trainer(), calib, held, batch_size=4)
+        model.to(lm.device)  # the pass's teardown left it on the CPU
     cal_seconds = time.time() - t0
     remove_blocks(model, layers)
     base_params = num_params(model)
