@@ -4,6 +4,7 @@
 #   make run        the main job on the embedded default (SmolLM2-135M, 25% Reverse-order* + LRAs)
 #   make test       the test suite
 #   make reproduce  the paper's tables for MODEL (resumable; many CPU-hours)
+#   make ablations  the paper's ablations for MODEL (resumable)
 #
 # GPU machines: put the CUDA build of torch in first, e.g.
 #   make run TORCH_INDEX=https://download.pytorch.org/whl/cu126
@@ -15,7 +16,7 @@ MODEL ?= smollm2-135m
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shift-lightning-installed
 
-.PHONY: setup run test reproduce
+.PHONY: setup run test reproduce ablations
 
 setup: $(STAMP)
 
@@ -33,5 +34,8 @@ run: $(STAMP)  ## main job: 25% Reverse-order* pruning of SmolLM2-135M + closed-
 test: $(STAMP)  ## the test suite (tiny random models, 2-process DDP over gloo)
 	$(PY) -m pytest -q
 
-reproduce: $(STAMP)  ## the paper's tables for MODEL (resumable; many CPU-hours)
+reproduce: $(STAMP)  ## the paper's tables for MODEL (resumable; many CPU-hours, ~10 GPU-minutes)
 	$(PY) -m shift_lightning.recipes.reproduce --model $(MODEL)
+
+ablations: $(STAMP)  ## the paper's ablations on MODEL (resumable; reuses the grid's block choices)
+	$(PY) -m shift_lightning.recipes.ablations --model $(MODEL)

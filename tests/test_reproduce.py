@@ -114,12 +114,13 @@ def test_recovery_table_runs_resumes_and_plots_on_a_tiny_model(tmp_path):
 def _tiny_grid(tmp_path, **kw):
     from shift_lightning.recipes.reproduce import ReproduceConfig
 
-    return ReproduceConfig(model="tiny", tiny={"family": "llama", "num_hidden_layers": 8, "max_position_embeddings": 512},
-                           criteria=["reverse_star", "block_influence"], ratio=0.25, calib_samples=6, seq_len=64,
-                           select_samples=4, select_seq_len=32, heldout_samples=3, docs=4, ppl_windows=2,
-                           text_source=str(ROOT / "tests" / "data" / "tiny_corpus.txt"),
-                           eval_data_dir=str(ROOT / "tests" / "data" / "eval_tiny"),
-                           ppl_sets=[str(ROOT / "tests" / "data" / "tiny_heldout.txt")], n_boot=50, **kw)
+    base = dict(model="tiny", tiny={"family": "llama", "num_hidden_layers": 8, "max_position_embeddings": 512},
+                criteria=["reverse_star", "block_influence"], ratio=0.25, calib_samples=6, seq_len=64,
+                select_samples=4, select_seq_len=32, heldout_samples=3, docs=4, ppl_windows=2,
+                text_source=str(ROOT / "tests" / "data" / "tiny_corpus.txt"),
+                eval_data_dir=str(ROOT / "tests" / "data" / "eval_tiny"),
+                ppl_sets=[str(ROOT / "tests" / "data" / "tiny_heldout.txt")], n_boot=50)
+    return ReproduceConfig(**{**base, **kw})
 
 
 def test_grid_device_cuda_without_a_gpu_is_a_clear_error(tmp_path, monkeypatch):
@@ -159,3 +160,28 @@ def test_grid_on_gpu_equals_cpu(tmp_path):
             x, y = a["perplexity"][p]["ppl"], b["perplexity"][p]["ppl"]
             assert abs(x - y) <= 1e-3 * x, (f, p, x, y)
     assert len(list(gpu.rglob("*.json"))) == 1 + 2 * (1 + len(VARIANTS))
+
+
+def test_compare_runs_finds_identical_and_changed_outcomes(tmp_path):
+    """The cross-machine check: the same grid twice gives 0 differing per-doc outcomes; one flipped doc
+    and a changed perplexity are counted."""
+    from shift_lightning.recipes.compare_runs import CompareConfig, run as compare
+    from shift_lightning.recipes.reproduce import run
+
+    kw = dict(criteria=["reverse_star"], variants=["pruned", "lra"], device="cpu")
+    a = run(_tiny_grid(tmp_path, out=str(tmp_path / "a"), **kw))
+    b = run(_tiny_grid(tmp_path, out=str(tmp_path / "b"), **kw))
+    doc = compare(CompareConfig(a=str(a), b=str(b), out=str(tmp_path / "same")))
+    s = doc["summary"]
+    assert s["runs"] == 3 and s["per_doc_outcomes"] > 0 and s["per_doc_differing"] == 0
+    assert s["max_ppl_rel_diff"] < 1e-9 and s["selections_equal"]
+    f = b / "reverse_star" / "lra.json"
+    d = json.loads(f.read_text())
+    task = next(iter(d["tasks"]))
+    d["tasks"][task]["per_doc"]["acc"][0] = 1 - d["tasks"][task]["per_doc"]["acc"][0]
+    ppl_set = next(iter(d["perplexity"]))
+    d["perplexity"][ppl_set]["ppl"] *= 1.01
+    f.write_text(json.dumps(d))
+    s = compare(CompareConfig(a=str(a), b=str(b), out=str(tmp_path / "changed")))["summary"]
+    assert s["per_doc_differing"] == 1 and abs(s["max_ppl_rel_diff"] - 0.01) < 1e-6
+    assert "1 of" in (tmp_path / "changed.md").read_text()

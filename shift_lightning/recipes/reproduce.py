@@ -346,7 +346,8 @@ def table_rows(folder: Path, n_boot: int = 2000) -> tuple[list[dict], dict]:
         row = {"criterion": c if c is not None else "none", "variant": v, "pruned_layers": r["pruned_layers"],
                "tasks": {t: e["value"] for t, e in r["tasks"].items()}, "avg": r["average"],
                "avg_ci": s["avg_ci"], "robust": s["robust"], "robust_ci": s["robust_ci"],
-               "ppl": {p: e["ppl"] for p, e in r["perplexity"].items()}, "params": r["params"]}
+               "ppl": {p: e["ppl"] for p, e in r["perplexity"].items()}, "params": r["params"],
+               "device": r.get("software", {}).get("device", "cpu")}
         if v not in ("original", "pruned") and (c, "pruned") in runs:
             d = boot.difference(f"{c}/{v}", f"{c}/pruned")
             row["vs_pruned"] = d
@@ -433,7 +434,12 @@ def markdown(rows: list[dict], info: dict, cfg: ReproduceConfig) -> str:
     if info["pending"]:
         lines += ["", f"Pending: {len(info['pending'])} runs ({', '.join(info['pending'])})."]
     lines += ["", *summary(rows, cfg)]
-    lines += ["", f"Software: {info['software']}."]
+    devices: dict[str, int] = {}
+    for r in rows:
+        devices[r["device"]] = devices.get(r["device"], 0) + 1
+    lines += ["", "Runs per device (the same numbers either way: see `results/device_check/`): "
+              + "; ".join(f"{n} on {d}" for d, n in devices.items()) + f". Software of the original row: "
+              f"{info['software']}."]
     return "\n".join(lines) + "\n"
 
 
