@@ -349,8 +349,10 @@ def render(folder: Path, cfg: AblationConfig) -> None:
                     extra.append((f"ratio={g.ratio:g}/pruned", p))
                 if l:
                     extra.append((f"ratio={g.ratio:g}/lra", l))
-            chosen = sorted(((r, d) for (c, r), d in runs.items() if c == crit and r.startswith(prefix)),
-                            key=lambda x: _sort_key(x[0]))
+            chosen = [(r, d) for (c, r), d in runs.items() if c == crit and r.startswith(prefix)]
+            if prefix == "ratio=":  # the default ratio's rows take their place in the sweep
+                chosen, extra = chosen + extra, []
+            chosen.sort(key=lambda x: _sort_key(x[0]))
             for r, d in extra + chosen:
                 lines.append(f"| {crit} | {r} | {100 * d['average']:.2f} | "
                              + " | ".join(_ppl(d["perplexity"][p]["ppl"]) for p in ppl_sets) + " |")
