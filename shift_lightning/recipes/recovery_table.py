@@ -128,6 +128,8 @@ def run(cfg: RecoveryTableConfig) -> Path:
         module.calibrate(_quiet_trainer(), calib, batch_size=4)
         correction = module.correction("residual")
         for name in todo:
+            if (out / crit / f"{name}.json").exists():  # finished meanwhile by another process (--runs split)
+                continue
             with_lra, train_lra, method = RUNS[name]
             model = copy.deepcopy(base)
             remove_blocks(model, layers)
