@@ -42,7 +42,7 @@ import _common as C
 import lightning as L
 import torch
 
-import shift_lightning.calibration as calmod
+import shift_lightning.calibration.solvers.ridge as calmod  # where the LRA solver calls ridge_solve
 from shift_lightning.arch import block_input, block_output, decoder_layers
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.criteria import PruneConfig, RemovalPerplexity
@@ -204,7 +204,7 @@ def memory_child(model, tok, dev, removed, a, n: int, bare: bool = False) -> dic
     C.sync(dev)
     secs = time.perf_counter() - t
     peak = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if dev.type == "cuda" else _vm("VmHWM")
-    stats_mib = 0.0 if bare else sum(s.stats.buffer.numel() * 8 for s in mod.sites) / 2 ** 20
+    stats_mib = 0.0 if bare else sum(mod.statistics[s.key].io.buffer.numel() * 8 for s in mod.sites) / 2 ** 20
     return {"windows": n, "tokens": win.num_tokens, "before_mib": before, "peak_mib": peak,
             "increment_mib": peak - before, "statistics_mib": stats_mib, "seconds": secs}
 

@@ -69,15 +69,15 @@ def main():
     module.calibrate(trainer, calib, None)
     for damp in [float(x) for x in a.dampings.split(",")]:
         module.cfg.damping = damp
-        module._solve(module.sites)
+        module.solve()
         module.measure(trainer, held_err)
         m = copy.deepcopy(model)
         ads = module.adapters_by_position()
         remove_blocks(m, sel.layers)
         attach_adapters(m, copy.deepcopy(ads))
         ppl = window_perplexity(m, held_ppl)
-        errs = [s.report["heldout_rel_error"] for s in module.sites]
-        cal = [s.report["calib_rel_error"] for s in module.sites]
+        errs = [module.reports[s.key]["heldout_rel_error"] for s in module.sites]
+        cal = [module.reports[s.key]["calib_rel_error"] for s in module.sites]
         rows.append({"variant": "pruned+LRA", "damping": damp, "ppl": ppl,
                      "calib_rel_error_mean": sum(cal) / len(cal), "heldout_rel_error_mean": sum(errs) / len(errs)})
         print(rows[-1], flush=True)

@@ -54,17 +54,18 @@ def real_site(model_name: str, dev) -> dict:
     mod = CalibrationModule(model, removed, CalibrationConfig(accum_dtype="float64", heldout=False))
     mod.calibrate(trainer, win, batch_size=4)
     out = []
-    for s in mod.sites:
-        w64 = ridge_solve(s.stats).W
+    for site in mod.sites:
+        st = mod.statistics[site.key].io
+        w64 = ridge_solve(st).W
         try:
-            w32 = ridge_solve(s.stats, dtype=torch.float32).W.double()
+            w32 = ridge_solve(st, dtype=torch.float32).W.double()
             err = ((w32 - w64).norm() / w64.norm()).item()
         except Exception as e:  # a float32 Cholesky can fail on badly scaled statistics
             err = f"failed: {type(e).__name__}"
-        out.append({"site": s.name, "W_rel_err_float32_solve": err,
+        out.append({"site": site.name, "W_rel_err_float32_solve": err,
                     "excess_rel_error": None if isinstance(err, str) else
-                    s.stats.relative_error(w32, ridge_solve(s.stats, dtype=torch.float32).b.double())
-                    - s.stats.relative_error(w64, ridge_solve(s.stats).b)})
+                    st.relative_error(w32, ridge_solve(st, dtype=torch.float32).b.double())
+                    - st.relative_error(w64, ridge_solve(st).b)})
     return {"model": model_name, "tokens": win.num_tokens, "sites": out}
 
 

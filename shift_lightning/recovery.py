@@ -47,7 +47,8 @@ from .arch import base_model, decoder_layers
 from .data import RankShard, TokenWindows
 from .errors import ConfigError
 from .nll import lm_nll_sum
-from .surgery import adapter_module_names, adapter_set, pruned_positions, save_pretrained
+from .calibration.sites import pruned_positions
+from .surgery import adapter_module_names, adapter_set, save_pretrained
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

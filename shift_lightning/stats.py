@@ -40,7 +40,7 @@ and for rank r < d it returns the optimal rank-r solution of the *same* ridge ob
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -196,6 +196,7 @@ class Solution:
     V: torch.Tensor | None      # (d, r)
     lam: float                  # absolute damping added to the diagonal
     kind: str                   # "residual": W is the residual map; "affine": W is A in y = x Aᵀ + c
+    info: dict = field(default_factory=dict)  # what the solver wants reported (e.g. a guard's choice)
 
     def delta_map(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The fitted residual update as ``Δ̂ = x W_Δᵀ + b`` (``W_Δ = A − I`` for the affine kind)."""

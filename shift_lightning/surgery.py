@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .arch import block_input, decoder_layers, final_norm, with_block_input
+from .calibration.sites import contiguous_spans, pruned_positions  # noqa: F401 (re-exported)
 from .errors import ShiftError
 from .lra import AdapterSpec, LinearResidualAdapter
 from .peers import BranchMap, fold_replaceme
@@ -69,29 +70,6 @@ def remove_blocks(model: nn.Module, layers: list[int]) -> list[int]:
             if hasattr(mod, "layer_idx"):
                 mod.layer_idx = new_idx
     return keep
-
-
-def pruned_positions(num_layers: int, removed: list[int]) -> dict[int, int]:
-    """Map each removed original block to the pruned position where its adapter applies."""
-    rem = set(removed)
-    pos, kept_before = {}, 0
-    for i in range(num_layers):
-        if i in rem:
-            pos[i] = kept_before
-        else:
-            kept_before += 1
-    return pos
-
-
-def contiguous_spans(layers: list[int]) -> list[tuple[int, int]]:
-    """Sorted indices -> maximal runs ``[(start, end_exclusive), …]``."""
-    spans: list[tuple[int, int]] = []
-    for i in sorted(layers):
-        if spans and spans[-1][1] == i:
-            spans[-1] = (spans[-1][0], i + 1)
-        else:
-            spans.append((i, i + 1))
-    return spans
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,7 +149,7 @@ def adapter_module_names(model: nn.Module) -> list[str]:
 
 
 def apply_correction(model: nn.Module, correction, original_num_layers: int, removed: list[int]) -> None:
-    """Put a calibration ``correction`` (:class:`~shift_lightning.calibration.Correction`) into the
+    """Put a calibration ``correction`` (:class:`~shift_lightning.calibration.maps.Correction`) into the
     already pruned ``model``: attach its adapters and fold its ReplaceMe maps (``branch_maps``,
     keyed by original block index) into the kept blocks they belong to."""
     attach_adapters(model, correction.adapters)

@@ -74,12 +74,12 @@ def test_independent_solution_equals_float64_reference(tiny64):
     mod.calibrate(_trainer(), win, batch_size=3)
     for site in mod.sites:
         x, d = _capture(model, win, site.start, site.end)
-        assert site.stats.num_tokens == int(win.attention_mask.sum())
+        assert mod.statistics[site.key].io.num_tokens == int(win.attention_mask.sum())
         W, b = _ridge(x, d, 1e-3)
-        assert_close(site.solution.W, W, rtol=1e-8, atol=1e-10)
-        assert_close(site.solution.b, b, rtol=1e-8, atol=1e-10)
+        assert_close(mod.solution(site).W, W, rtol=1e-8, atol=1e-10)
+        assert_close(mod.solution(site).b, b, rtol=1e-8, atol=1e-10)
         ref_err = ((d - x @ W.T - b) ** 2).sum() / (d ** 2).sum()
-        assert site.report["calib_rel_error"] == pytest.approx(ref_err.item(), rel=1e-6)
+        assert mod.reports[site.key]["calib_rel_error"] == pytest.approx(ref_err.item(), rel=1e-6)
 
 
 def test_padding_is_masked(tiny64):
@@ -89,13 +89,13 @@ def test_padding_is_masked(tiny64):
     lens = padded.attention_mask.sum(1)
     mod = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig())
     mod.calibrate(_trainer(), padded, batch_size=6)
-    G_pad = mod.sites[0].stats.G.clone()
+    G_pad = mod.statistics[mod.sites[0].key].io.G.clone()
     G = torch.zeros_like(G_pad)
     for i in range(len(padded)):  # one unpadded sequence at a time
         one = TokenWindows(padded.input_ids[i:i + 1, :lens[i]], padded.attention_mask[i:i + 1, :lens[i]])
         mod2 = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig())
         mod2.calibrate(_trainer(), one, batch_size=1)
-        G += mod2.sites[0].stats.G
+        G += mod2.statistics[mod2.sites[0].key].io.G
     assert_close(G_pad, G, rtol=1e-10, atol=1e-8)
 
 
@@ -107,15 +107,15 @@ def test_sequential_mode_sees_corrected_hidden_states(tiny64):
     # site 1 (block 3) must be fitted on the model where block 1 is already replaced by its adapter
     ref = copy.deepcopy(tiny64[0])
     remove_blocks(ref, [1])
-    attach_adapters(ref, {1: copy.deepcopy(mod.sites[0].adapter)})
+    attach_adapters(ref, {1: copy.deepcopy(mod.adapter("lra", mod.sites[0]))})
     x, d = _capture(ref, win, 2, 3)  # original block 3 is pruned-model block 2
     W, b = _ridge(x, d, 1e-3)
-    assert_close(mod.sites[1].solution.W, W, rtol=1e-8, atol=1e-10)
+    assert_close(mod.solution(mod.sites[1]).W, W, rtol=1e-8, atol=1e-10)
     # ... and that differs from the independent fit
     ind = CalibrationModule(copy.deepcopy(tiny64[0]), [1, 3], CalibrationConfig(damping=1e-3))
     ind.calibrate(_trainer(), win)
-    assert not torch.allclose(ind.sites[1].solution.W, mod.sites[1].solution.W, atol=1e-6)
-    assert_close(ind.sites[0].solution.W, mod.sites[0].solution.W)  # first site identical
+    assert not torch.allclose(ind.solution(ind.sites[1]).W, mod.solution(mod.sites[1]).W, atol=1e-6)
+    assert_close(ind.solution(ind.sites[0]).W, mod.solution(mod.sites[0]).W)  # first site identical
 
 
 def test_merged_adapters_equal_the_chain(tiny64):
@@ -144,7 +144,7 @@ def test_span_granularity_fits_one_adapter_per_run(tiny64):
     assert [(s.start, s.end) for s in mod.sites] == [(1, 3), (4, 5)]
     x, d = _capture(model, win, 1, 3)
     W, _ = _ridge(x, d, 1e-3)
-    assert_close(mod.sites[0].solution.W, W, rtol=1e-8, atol=1e-10)
+    assert_close(mod.solution(mod.sites[0]).W, W, rtol=1e-8, atol=1e-10)
 
 
 def test_correction_reduces_error(tiny64):
@@ -153,7 +153,7 @@ def test_correction_reduces_error(tiny64):
     mod = CalibrationModule(model, [2, 3], CalibrationConfig())
     mod.calibrate(_trainer(), _windows(tok, n=16), heldout=_windows(tok, source=HELDOUT))
     for s in mod.sites:
-        assert 0 <= s.report["calib_rel_error"] < s.report["heldout_rel_error"] < 1.0
+        assert 0 <= mod.reports[s.key]["calib_rel_error"] < mod.reports[s.key]["heldout_rel_error"] < 1.0
 
 
 def test_pipeline_writes_reloadable_model(tmp_path):

@@ -51,7 +51,7 @@ def test_calibrate_errors_are_one_line(tmp_path, capsys):
     (tampered / "shift_config.json").write_text("{not json")
     cases = [
         (["--config", "nope.yaml", *out], "Config file 'nope.yaml' not found"),  # bad config
-        ([*tiny, "--calibration.damping", "0"], "--calibration.damping must be > 0"),
+        ([*tiny, "--calibration.damping", "0"], "--calibration.damping must be a finite number > 0"),
         ([*tiny, "--data.source", "/no/such/corpus.txt"], "Calibration data not found: /no/such/corpus.txt"),
         ([*tiny, "--data.source", str(binary)], f"{binary} is not UTF-8 text"),
         ([*tiny, "--data.num_samples", "100000"], "windows of 64 tokens fit in the text (asked for 100000)"),
@@ -70,12 +70,13 @@ def test_calibrate_errors_are_one_line(tmp_path, capsys):
 
 
 def test_failed_solve_is_one_line(tmp_path, capsys, monkeypatch):
-    from shift_lightning import calibration, stats
+    from shift_lightning import stats
+    from shift_lightning.calibration.solvers import ridge
 
     def failing(*a, **k):
         raise stats.SolveError("site 0 (blocks 2..2): Cholesky failed; raise --calibration.damping")
 
-    monkeypatch.setattr(calibration, "ridge_solve", failing)
+    monkeypatch.setattr(ridge, "ridge_solve", failing)
     line = _one_line_error(cli.calibrate_main, ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"),
                                                 "--trainer.enable_progress_bar", "false"], capsys)
     assert "Cholesky failed; raise --calibration.damping" in line and not (tmp_path / "o").exists()

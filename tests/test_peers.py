@@ -60,7 +60,7 @@ def tiny():
 
 
 def _fit(model, removed, kinds, windows, damping=1e-10):
-    mod = CalibrationModule(model, removed, CalibrationConfig(damping=damping), kinds=kinds)
+    mod = CalibrationModule(model, removed, CalibrationConfig(damping=damping), solvers=kinds)
     mod.calibrate(_trainer(), windows, batch_size=4)
     return mod
 
@@ -74,19 +74,19 @@ def test_exactly_linear_spans_are_recovered_exactly(tiny):
     blocks = decoder_layers(model)
     blocks[2] = Linear(eye + W0)               # residual without bias: nobias recovers W0 exactly
     blocks[4] = Linear(A0, c0)                 # generic affine: affine recovers A0, c0 exactly
-    mod = _fit(model, [2, 4], ["residual", "nobias", "affine"], _windows(tok))
+    mod = _fit(model, [2, 4], ["lra", "nobias", "affine"], _windows(tok))
     s2, s4 = mod.sites
-    assert_close(s2.solutions["nobias"].W, W0, rtol=1e-6, atol=1e-7)
-    assert s2.solutions["nobias"].b.abs().max() == 0
-    assert_close(s2.solutions["residual"].W, W0, rtol=1e-6, atol=1e-7)
-    assert_close(s4.solutions["affine"].W, A0, rtol=1e-6, atol=1e-7)
-    assert_close(s4.solutions["affine"].b, c0, rtol=1e-6, atol=1e-7)
-    assert_close(s4.solutions["residual"].W, A0 - eye, rtol=1e-6, atol=1e-7)
-    assert s2.report["kinds"]["nobias"]["calib_rel_error"] < 1e-10
+    assert_close(mod.solution(s2, "nobias").W, W0, rtol=1e-6, atol=1e-7)
+    assert mod.solution(s2, "nobias").b.abs().max() == 0
+    assert_close(mod.solution(s2, "lra").W, W0, rtol=1e-6, atol=1e-7)
+    assert_close(mod.solution(s4, "affine").W, A0, rtol=1e-6, atol=1e-7)
+    assert_close(mod.solution(s4, "affine").b, c0, rtol=1e-6, atol=1e-7)
+    assert_close(mod.solution(s4, "lra").W, A0 - eye, rtol=1e-6, atol=1e-7)
+    assert mod.reports[s2.key]["solvers"]["nobias"]["calib_rel_error"] < 1e-10
     # the adapters reproduce the blocks they replace
     x = torch.randn(3, 5, d, dtype=torch.float64)
-    assert_close(s2.adapters["nobias"](x), x @ (eye + W0).T)
-    assert_close(s4.adapters["affine"](x), x @ A0.T + c0)
+    assert_close(mod.adapter("nobias", s2)(x), x @ (eye + W0).T)
+    assert_close(mod.adapter("affine", s4)(x), x @ A0.T + c0)
 
 
 def test_nobias_equals_uncentred_float64_ridge(tiny):
@@ -106,7 +106,7 @@ def test_nobias_equals_uncentred_float64_ridge(tiny):
     lam = 1e-3 * S.diagonal().mean()
     W = torch.linalg.solve(S + lam * torch.eye(x.shape[1], dtype=x.dtype), x.T @ dl).T
     mod = _fit(model, [3], ["nobias"], win, damping=1e-3)
-    assert_close(mod.sites[0].solutions["nobias"].W, W, rtol=1e-8, atol=1e-10)
+    assert_close(mod.solution(mod.sites[0], "nobias").W, W, rtol=1e-8, atol=1e-10)
 
 
 def test_replaceme_recovers_a_span_linear_in_the_mlp_branch_and_folds_exactly(tiny):
@@ -127,7 +127,7 @@ def test_replaceme_recovers_a_span_linear_in_the_mlp_branch_and_folds_exactly(ti
     corr = mod.correction("replaceme")
     assert list(corr.branch_maps) == [1]
     assert_close(corr.branch_maps[1], T0, rtol=1e-6, atol=1e-7)
-    assert mod.sites[0].report["calib_rel_error"] < 1e-10
+    assert mod.reports[mod.sites[0].key]["calib_rel_error"] < 1e-10
     remove_blocks(model, [2, 3])
     for b in decoder_layers(model):
         b._forward_hooks.clear()
@@ -182,21 +182,22 @@ def test_linearpatch_recovers_an_exact_hadamard_scaling(tiny):
     decoder_layers(model)[4] = Linear(P0.T)  # y = x P0
     mod = _fit(model, [4], ["linearpatch"], _windows(tok))
     span = mod.spans[0]
-    assert_close(span.scale.scale(), s0, rtol=1e-9, atol=1e-9)
+    assert_close(mod.statistics[span.key].scale.scale(), s0, rtol=1e-9, atol=1e-9)
     x = torch.randn(2, 3, d, dtype=torch.float64)
-    assert_close(span.adapters["linearpatch"](x), x @ P0)
-    assert span.report["calib_rel_error"] < 1e-12
+    assert_close(mod.adapter("linearpatch", span)(x), x @ P0)
+    mod2 = _fit(model, [4], ["linearpatch", "lra"], _windows(tok))  # with the span's (x, Δ) collected too
+    assert mod2.reports[span.key]["solvers"]["linearpatch"]["calib_rel_error"] < 1e-12
 
 
 def test_all_kinds_from_one_pass_equal_separate_fits_and_round_trip(tmp_path):
     model, tok = build_tiny_model("qwen2", num_hidden_layers=6, dtype=torch.float64)
     win, held = _windows(tok), _windows(tok, n=4)
-    kinds = ["residual", "nobias", "affine", "replaceme", "linearpatch"]
-    together = CalibrationModule(copy.deepcopy(model), [2, 3], CalibrationConfig(), kinds=kinds)
+    kinds = ["lra", "nobias", "affine", "replaceme", "linearpatch"]
+    together = CalibrationModule(copy.deepcopy(model), [2, 3], CalibrationConfig(), solvers=kinds)
     together.calibrate(_trainer(), win, held, batch_size=4)
     ids = win.input_ids[:2, :16]
     for kind in kinds:
-        alone = CalibrationModule(copy.deepcopy(model), [2, 3], CalibrationConfig(kind=kind))
+        alone = CalibrationModule(copy.deepcopy(model), [2, 3], CalibrationConfig(solver=kind))
         alone.calibrate(_trainer(), win, held, batch_size=4)
         outs = []
         for mod in (together, alone):
@@ -212,7 +213,7 @@ def test_all_kinds_from_one_pass_equal_separate_fits_and_round_trip(tmp_path):
         m2, _ = load_pretrained(tmp_path / kind)
         with torch.no_grad():
             assert torch.equal(m2(input_ids=ids, use_cache=False).logits, outs[1])
-    span_err = together.spans[0].report["span_errors"]
+    span_err = together.reports[together.spans[0].key]["span_errors"]
     assert set(span_err) == set(kinds)
     assert all(0 <= e["heldout_rel_error"] < 1.5 for e in span_err.values())
 
@@ -222,9 +223,9 @@ def test_peer_kinds_refuse_sequential_and_rank():
 
     model, _ = build_tiny_model("llama")
     with pytest.raises(ConfigError, match="sequential"):
-        CalibrationModule(model, [2], CalibrationConfig(mode="sequential", kind="replaceme"))
+        CalibrationModule(model, [2], CalibrationConfig(mode="sequential", solver="replaceme"))
     with pytest.raises(ConfigError, match="rank"):
-        CalibrationModule(model, [2], CalibrationConfig(kind="linearpatch", rank=4))
+        CalibrationModule(model, [2], CalibrationConfig(solver="linearpatch", rank=4))
 
 
 def test_trunk_cache_gives_bit_identical_evaluations():
@@ -236,10 +237,10 @@ def test_trunk_cache_gives_bit_identical_evaluations():
                     progress=False, batch_size=4)
     model, tok = build_tiny_model("llama", num_hidden_layers=6)
     win = _windows(tok)
-    mod = CalibrationModule(copy.deepcopy(model), [3, 4], CalibrationConfig(), kinds=["residual", "replaceme"])
+    mod = CalibrationModule(copy.deepcopy(model), [3, 4], CalibrationConfig(), solvers=["lra", "replaceme"])
     mod.calibrate(_trainer(), win, batch_size=4)
     variants = {}
-    for kind in (None, "residual", "replaceme"):
+    for kind in (None, "lra", "replaceme"):
         m = copy.deepcopy(model)
         remove_blocks(m, [3, 4])
         if kind:
@@ -250,7 +251,7 @@ def test_trunk_cache_gives_bit_identical_evaluations():
     cached = {}
     with cache.recording(variants[None]):
         cached[None] = evaluate_model(variants[None], tok, ev)
-    for k in ("residual", "replaceme"):
+    for k in ("lra", "replaceme"):
         with cache.replaying(variants[k]):
             cached[k] = evaluate_model(variants[k], tok, ev)
     assert cache.hits > 0 and cache.misses == 0
@@ -259,7 +260,7 @@ def test_trunk_cache_gives_bit_identical_evaluations():
             assert plain[k]["tasks"][t]["per_doc"] == cached[k]["tasks"][t]["per_doc"]
         for p in plain[k]["perplexity"]:
             assert plain[k]["perplexity"][p]["ppl"] == cached[k]["perplexity"][p]["ppl"]
-    assert plain["residual"]["perplexity"] != plain["replaceme"]["perplexity"]
+    assert plain["lra"]["perplexity"] != plain["replaceme"]["perplexity"]
 
 
 def test_do_no_harm_guard_keeps_good_maps_and_drops_useless_ones(tiny):
@@ -278,13 +279,15 @@ def test_do_no_harm_guard_keeps_good_maps_and_drops_useless_ones(tiny):
     blocks[2] = Linear(eye + _rand(d, 5))
     blocks[4] = Noise()
     win = _windows(tok, n=8, seq_len=24)  # few tokens: a full d x d map overfits the noise
-    mod = CalibrationModule(model, [2, 4], CalibrationConfig(damping=1e-6, guard=True, guard_every=2))
+    mod = CalibrationModule(model, [2, 4], CalibrationConfig(damping=1e-6, solver="lra_guard", guard_every=2),
+                            solvers=["lra_guard", "lra"])
     mod.calibrate(_trainer(), win, batch_size=2)
     good, noisy = mod.sites
-    assert good.report["guard"]["residual"]["chosen"] != "identity" and not good.report["guard"]["residual"]["fired"]
-    assert noisy.report["guard"]["residual"]["chosen"] == "identity"
+    g_good = mod.reports[good.key]["solvers"]["lra_guard"]["guard"]
+    assert g_good["chosen"] != "identity" and not g_good["fired"]
+    assert mod.reports[noisy.key]["solvers"]["lra_guard"]["guard"]["chosen"] == "identity"
     x = torch.randn(2, 3, d, dtype=torch.float64)
-    assert torch.equal(noisy.adapters["residual+guard"](x), x)  # identity map
-    assert not torch.equal(noisy.adapters["residual"](x), x)     # the unguarded map overfits
-    corr = mod.correction()  # the configured kind is the guarded one
-    assert corr.kind == "residual+guard"
+    assert torch.equal(mod.adapter("lra_guard", noisy)(x), x)  # identity map
+    assert not torch.equal(mod.adapter("lra", noisy)(x), x)     # the unguarded map overfits
+    corr = mod.correction()  # the first requested solver is the guarded one
+    assert corr.solver == "lra_guard"

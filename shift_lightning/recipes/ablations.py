@@ -235,7 +235,7 @@ def _run_criterion(cfg, crit, lm, tok, ev, evaluator, select_w, make_trainer, me
             total.add_statistics(calibrate(TokenWindows(wins.input_ids[prev:b], wins.attention_mask[prev:b]), base))
             prev = b
             if f"samples={b}" in todo:
-                evaluate(f"samples={b}", solved(total, base).correction("residual"),
+                evaluate(f"samples={b}", solved(total, base).correction("lra"),
                          {"windows": b, "tokens": b * g.seq_len})
             if b == g.calib_samples:
                 at_default = fresh(base)
@@ -244,22 +244,22 @@ def _run_criterion(cfg, crit, lm, tok, ev, evaluator, select_w, make_trainer, me
         for x in cfg.dampings:
             if f"damping={x:g}" in todo:
                 mod = solved(at_default, CalibrationConfig(**{**asdict(base), "damping": x}))
-                evaluate(f"damping={x:g}", mod.correction("residual"), {"damping": x})
+                evaluate(f"damping={x:g}", mod.correction("lra"), {"damping": x})
     # --- mode ----------------------------------------------------------------------------------
     wins64 = build_windows(TextDataConfig(source=g.text_source, num_samples=g.calib_samples, seq_len=g.seq_len),
                            tok, mtype)
     if "mode=sequential" in todo:
         mod = calibrate(wins64, CalibrationConfig(**{**asdict(base), "mode": "sequential"}))
-        evaluate("mode=sequential", mod.correction("residual"), {"mode": "sequential"})
+        evaluate("mode=sequential", mod.correction("lra"), {"mode": "sequential"})
     # --- granularity and rank: one LRA per span ---------------------------------------------
     if "granularity=span" in todo or any(t.startswith("rank=") for t in todo):
         span = calibrate(wins64, CalibrationConfig(**{**asdict(base), "granularity": "span"}))
         if "granularity=span" in todo:
-            evaluate("granularity=span", span.correction("residual"), {"granularity": "span"})
+            evaluate("granularity=span", span.correction("lra"), {"granularity": "span"})
         for r in cfg.ranks:
             if f"rank={r}" in todo:
                 corr = solved(span, CalibrationConfig(**{**asdict(base), "granularity": "span", "rank": r})
-                              ).correction("residual")
+                              ).correction("lra")
                 evaluate(f"rank={r}", corr, {"rank": r, "lra_params": sum(num_params(a) for a in corr.adapters.values())})
     # --- domain -------------------------------------------------------------------------------
     for d in cfg.domains:
@@ -268,7 +268,7 @@ def _run_criterion(cfg, crit, lm, tok, ev, evaluator, select_w, make_trainer, me
                 _domain_source(d, Path.home() / ".cache" / "shift_lightning" / "data")
             wins = build_windows(TextDataConfig(source=src, num_samples=g.calib_samples, seq_len=g.seq_len), tok, mtype)
             mod = calibrate(wins, base)
-            evaluate(f"domain={d}", mod.correction("residual"), {"domain": d})
+            evaluate(f"domain={d}", mod.correction("lra"), {"domain": d})
     # --- ratio ----------------------------------------------------------------------------------
     for ratio in cfg.ratios:
         if ratio == g.ratio or not any(t.startswith(f"ratio={ratio:g}/") for t in todo):
@@ -278,7 +278,7 @@ def _run_criterion(cfg, crit, lm, tok, ev, evaluator, select_w, make_trainer, me
         mod = CalibrationModule(model, lay, base)
         mod.calibrate(make_trainer(), wins64, batch_size=4)
         model.to(device)  # the pass's teardown left it on the CPU
-        corr = mod.correction("residual")
+        corr = mod.correction("lra")
         remove_blocks(model, lay)
         m_layers[id(model)] = lay
         if f"ratio={ratio:g}/pruned" in todo:

@@ -29,8 +29,8 @@ from ..models import ModelConfig, num_params
 from ..outputs import prepare_output, publish_dir
 from ..progress import with_stage_progress
 from ..selection import select_blocks
-from ..surgery import (apply_correction, load_pretrained, pruned_positions, remove_blocks, save_adapters,
-                       save_pretrained)
+from ..calibration import pruned_positions
+from ..surgery import apply_correction, load_pretrained, remove_blocks, save_adapters, save_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,7 @@ def check_early(prune: PruneConfig, data: TextDataConfig, calibration: Calibrati
     if src not in ("wiki_summaries", "wiki-summaries") and not src.startswith("hf:") and not Path(src).expanduser().exists():
         raise DataError(f"Calibration data not found: {src}. Use --data.source wiki_summaries, an existing "
                         ".txt/.json/.jsonl file or folder, or hf:<dataset>[:<config>].")
-    if calibration.damping <= 0:
-        raise ConfigError(f"--calibration.damping must be > 0, got {calibration.damping}")
+    calibration.validate()
 
 
 def make_trainer_factory(trainer: dict | L.Trainer | None) -> Callable[[], L.Trainer]:
@@ -154,7 +153,7 @@ def run_calibration(
     module = CalibrationModule(lm, selection.layers, calibration)
     if selection.layers:
         module.calibrate(make_trainer(), windows, held, batch_size=data.batch_size, check=False)
-    correction = module.correction() if selection.layers else Correction(calibration.kind)
+    correction = module.correction() if selection.layers else Correction(calibration.solver)
     adapters = correction.adapters
     for note in correction.notes:
         log.warning(note)
@@ -164,7 +163,7 @@ def run_calibration(
         evals["pruned"] = _evaluate(lm, tok, evaluate, make_trainer, "pruned")
     apply_correction(lm, correction, n_layers, selection.layers)
     if do_eval:
-        label = "pruned+lra" if calibration.kind == "residual" else f"pruned+{calibration.kind}"
+        label = f"pruned+{calibration.solver}"
         evals[label] = _evaluate(lm, tok, evaluate, make_trainer, label)
 
     report = {
@@ -181,7 +180,7 @@ def run_calibration(
         "calibration_tokens": windows.num_tokens,
         "heldout_tokens": held.num_tokens if held is not None else 0,
         "world_size": dist.world_size(),
-        "sites": [{"index": s.index, "blocks": list(range(s.start, s.end)), **s.report} for s in module.sites],
+        "sites": module.site_reports(),
         "adapters": _adapter_table(n_layers, selection.layers, adapters),
         "branch_maps": sorted(correction.branch_maps),
         "notes": correction.notes,
@@ -193,7 +192,7 @@ def run_calibration(
         report["evaluation"] = evals
     if output_dir is not None and dist.rank() == 0:
         spec = {"original_num_layers": n_layers, "pruned_layers": selection.layers,
-                "base_model": report["model"], "criterion": selection.criterion, "correction": calibration.kind}
+                "base_model": report["model"], "criterion": selection.criterion, "correction": calibration.solver}
 
         def write(tmp: Path):
             if save_model == "adapters":
@@ -235,8 +234,8 @@ def report_markdown(r: dict) -> str:
     lines = [f"# Calibration report: {r['model']}", "",
              f"- pruned blocks ({len(r['pruned_layers'])}/{r['original_num_layers']}): {r['pruned_layers']} "
              f"(criterion `{r['selection']['criterion']}`)",
-             f"- mode `{r['calibration']['mode']}`, granularity `{r['calibration']['granularity']}`, kind "
-             f"`{r['calibration']['kind']}`, rank {r['rank'] or 'full'}, relative damping {r['lambda_relative']:g}",
+             f"- solver `{r['calibration']['solver']}`, mode `{r['calibration']['mode']}`, granularity "
+             f"`{r['calibration']['granularity']}`, rank {r['rank'] or 'full'}, relative damping {r['lambda_relative']:g}",
              f"- calibration tokens {r['calibration_tokens']:,}, held-out tokens {r['heldout_tokens']:,}, "
              f"world size {r['world_size']}",
              f"- parameters {r['params_before']:,} → {r['params_after']:,}; {r['seconds']['total']:.1f} s", "",

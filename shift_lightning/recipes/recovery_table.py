@@ -126,7 +126,7 @@ def run(cfg: RecoveryTableConfig) -> Path:
         n = len(base.model.layers)
         module = CalibrationModule(copy.deepcopy(base), layers, CalibrationConfig(damping=g.damping))
         module.calibrate(_quiet_trainer(), calib, batch_size=4)
-        correction = module.correction("residual")
+        correction = module.correction("lra")
         for name in todo:
             if (out / crit / f"{name}.json").exists():  # finished meanwhile by another process (--runs split)
                 continue
@@ -136,7 +136,7 @@ def run(cfg: RecoveryTableConfig) -> Path:
             if with_lra:
                 apply_correction(model, correction, n, layers)
             spec = {"original_num_layers": n, "pruned_layers": layers, "criterion": crit,
-                    "correction": "residual" if with_lra else "none"}
+                    "correction": "lra" if with_lra else "none"}
             rec = RecoveryConfig(method=method, train_lra=train_lra, lora_r=cfg.lora_r,
                                  lr=cfg.lr if method == "lora" else cfg.lr / 10, lra_lr=cfg.lra_lr,
                                  warmup_steps=max(cfg.steps // 20, 1), seed=cfg.seed)

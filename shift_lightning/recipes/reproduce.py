@@ -49,10 +49,8 @@ log = logging.getLogger(__name__)
 #: The order the grid is filled in (the issue's: four criteria first, then the rest).
 CRITERIA_ORDER = ("reverse_star", "angular", "taylor", "block_influence", "reverse", "random", "magnitude_l1",
                   "magnitude_l2", "ppl")
-#: Row variants and the calibration kind behind each.
-VARIANT_KIND = {"pruned": None, "lra": "residual", "nobias": "nobias", "affine": "affine",
-                "replaceme": "replaceme", "linearpatch": "linearpatch", "lra_guard": "residual+guard"}
-VARIANTS = tuple(VARIANT_KIND)
+#: Row variants: ``pruned`` (no map) and a registered calibration solver each.
+VARIANTS = ("pruned", "lra", "nobias", "affine", "replaceme", "linearpatch", "lra_guard")
 LABELS = {"original": "original", "pruned": "pruned", "lra": "+LRA", "nobias": "+no bias", "affine": "+affine",
           "replaceme": "+ReplaceMe", "linearpatch": "+LinearPatch", "lra_guard": "+LRA, guarded"}
 TASK_LABELS = {"arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag": "HellaSwag", "piqa": "PIQA",
@@ -77,7 +75,8 @@ class ReproduceConfig:
     """Perplexity sets (columns of the table)."""
     criteria: list[str] = field(default_factory=lambda: list(CRITERIA_ORDER))
     """Criteria to run, in this order."""
-    variants: list[Literal["pruned", "lra", "nobias", "affine", "replaceme", "linearpatch", "lra_guard"]] = field(
+    variants: list[Literal["pruned", "lra", "nobias", "affine", "replaceme", "linearpatch", "lra_guard",
+                           "replaceme_cosine", "guarded"]] = field(
         default_factory=lambda: list(VARIANTS))
     """Row variants per criterion."""
     ratio: float = 0.25
@@ -253,12 +252,12 @@ def run(cfg: ReproduceConfig) -> Path:
 def _run_criterion(cfg, lm, tok, ev, evaluator, crit, layers, missing, calib, held, make_trainer, meta, cdir):
     n_layers = len(decoder_layers(lm))
     model = copy.deepcopy(lm)
-    kinds = [VARIANT_KIND[v] for v in missing if VARIANT_KIND[v]]
+    solvers = [v for v in missing if v != "pruned"]
     t0 = time.time()
     module = None
-    if kinds:
+    if solvers:
         module = CalibrationModule(model, layers, CalibrationConfig(damping=cfg.damping, guard_every=cfg.guard_every),
-                                   kinds=kinds)
+                                   solvers=solvers)
         module.calibrate(make_trainer(), calib, held, batch_size=4)
         model.to(lm.device)  # the pass's teardown left it on the CPU
     cal_seconds = time.time() - t0
@@ -267,7 +266,7 @@ def _run_criterion(cfg, lm, tok, ev, evaluator, crit, layers, missing, calib, he
     cache = TrunkCache(depth=max(layers[0] - 1, 0))
     order = sorted(missing, key=lambda v: v != "pruned")  # the pruned model records the shared blocks
     for i, variant in enumerate(order):
-        kind = VARIANT_KIND[variant]
+        kind = None if variant == "pruned" else variant
         corr = module.correction(kind) if kind else None
         blocks = decoder_layers(model)
         saved = {j: blocks[j].mlp.down_proj.weight.detach().clone() for j in range(len(blocks))
@@ -279,7 +278,7 @@ def _run_criterion(cfg, lm, tok, ev, evaluator, crit, layers, missing, calib, he
             res = evaluate_model(model, tok, ev, evaluator)
         params = num_params(model)
         _undo(model, corr, saved)
-        doc = {**meta, "criterion": crit, "variant": variant, "kind": kind, "pruned_layers": layers,
+        doc = {**meta, "criterion": crit, "variant": variant, "solver": kind, "pruned_layers": layers,
                "params": params, "correction_params": params - base_params, **_row_doc(res),
                "sites": _site_errors(module, kind) if kind else [],
                "notes": corr.notes if corr is not None else [],
@@ -300,18 +299,20 @@ def _undo(model, corr, saved_down: dict) -> None:
             unfold_replaceme(block, saved_down.get(j))
 
 
-def _site_errors(module: CalibrationModule, kind: str) -> list[dict]:
-    """Per span: the held-out relative error of the whole-span map; per site, the guard's choice."""
+def _site_errors(module: CalibrationModule, solver: str) -> list[dict]:
+    """Per span: the held-out relative error of the whole-span map; the guards' choices."""
     out = []
     for s in module.spans:
-        e = s.report.get("span_errors", {}).get(kind, {})
-        k = s.report.get("kinds", {}).get(kind, {})
-        row = {"blocks": list(range(s.start, s.end)), "heldout_rel_error": e.get("heldout_rel_error"),
+        rep = module.reports[s.key]
+        e = rep.get("span_errors", {}).get(solver, {})
+        k = rep.get("solvers", {}).get(solver, {})
+        row = {"blocks": s.blocks, "heldout_rel_error": e.get("heldout_rel_error"),
                "calib_rel_error": k.get("calib_rel_error")}
-        if kind.endswith("+guard"):
-            base = kind.removesuffix("+guard")
-            row["guard"] = {str(t.start): t.report.get("guard", {}).get(base) for t in module.sites
+        if solver == "lra_guard":
+            row["guard"] = {str(t.start): module.reports[t.key]["solvers"][solver].get("guard") for t in module.sites
                             if s.start <= t.start < s.end}
+        if solver == "guarded":
+            row["guard"] = rep.get("guard")
         out.append(row)
     return out
 
@@ -490,7 +491,7 @@ def summary(rows: list[dict], cfg: ReproduceConfig) -> list[str]:
 def _blocks(layers) -> str:
     if not layers:
         return "…"
-    from ..surgery import contiguous_spans
+    from ..calibration import contiguous_spans
 
     return ", ".join(f"{s}" if e - s == 1 else f"{s}–{e - 1}" for s, e in contiguous_spans(layers))
 

@@ -90,7 +90,7 @@ def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, o
                              extra_files={"calibration_key.json": key})
     spec = {"original_num_layers": result.report["original_num_layers"],
             "pruned_layers": result.report["pruned_layers"], "criterion": result.report["selection"]["criterion"],
-            "correction": calib["calibration"].kind}
+            "correction": calib["calibration"].solver}
     return result.model, result.tokenizer, spec
 
 

@@ -1,0 +1,219 @@
+"""Collection: what one forward pass of the original model gathers for every site. Framework-free.
+
+Each solver declares the statistics it needs (:attr:`~shift_lightning.calibration.solvers.Solver.needs`);
+for every site or span :class:`Collector` allocates them in ONE flat float64 buffer (so a single
+all-reduce syncs every site on N ranks) and installs forward hooks that fill them:
+
+=========  =============================================================================================
+``io``     :class:`~shift_lightning.stats.RidgeStats` of ``(x, Δ)``: ``x`` the hidden state entering block
+           ``start``, ``Δ = h_end − x`` what the removed blocks add to the residual stream
+``branch`` ``RidgeStats`` of ``(m, Δ)``: ``m`` the MLP-branch output of block ``start − 1`` (ReplaceMe)
+``scale``  :class:`~shift_lightning.peers.ChannelScaleStats` of the span's input and output (LinearPatch)
+``rows``   the rows ``(m, m + Δ)`` themselves, cached on the CPU per window (iterative solvers:
+           ReplaceMe's cosine objective); gathered from every rank in window order, not summed
+=========  =============================================================================================
+
+With ``holdout_every = k`` every k-th window (``index % k == k − 1``) is *also* added into held-out
+copies of ``io`` and ``branch`` (``held_io``, ``held_branch``): the guards fit on the rest
+(:meth:`SiteStatistics.fitting`) and judge on those. Padding tokens never reach a sum. The hook at
+the last site's block raises :class:`StopForward`: the pass never runs further than it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .. import dist
+from ..arch import block_input, block_output, decoder_layers, mlp_branch
+from ..peers import ChannelScaleStats
+from ..stats import RidgeStats
+from .sites import Site
+
+#: Statistics a solver may ask for (see the module doc).
+NEEDS = ("io", "branch", "scale", "rows")
+
+
+class StopForward(Exception):
+    """Raised by a hook once every site of the pass has its data."""
+
+
+class ActivationRows:
+    """Rows ``(m, target)`` of one span, float32 on the CPU, kept per calibration window so that
+    1 and N ranks see them in the same order; at most ``max_tokens`` rows are used (window order)."""
+
+    def __init__(self, dim: int, max_tokens: int):
+        self.dim, self.max_tokens = dim, max_tokens
+        self.parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def add(self, windows: torch.Tensor, m: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> None:
+        """``windows: (B,)`` window indices; ``m, target: (B, T, d)``; ``mask: (B, T)`` real tokens."""
+        for b, w in enumerate(windows.tolist()):
+            keep = mask[b]
+            self.parts[int(w)] = (m[b][keep].float().cpu(), target[b][keep].float().cpu())
+
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's rows, in window order, capped at ``max_tokens``: ``(M, Y)``, each ``(N, d)``."""
+        parts = dict(self.parts)
+        if dist.world_size() > 1:
+            import torch.distributed as tdist
+
+            gathered: list = [None] * dist.world_size()
+            tdist.all_gather_object(gathered, self.parts)
+            parts = {k: v for g in gathered for k, v in g.items()}
+        ms, ys, n = [], [], 0
+        for w in sorted(parts):
+            m, y = parts[w]
+            take = min(m.shape[0], self.max_tokens - n)
+            if take <= 0:
+                break
+            ms.append(m[:take]), ys.append(y[:take])
+            n += take
+        if not ms:
+            z = torch.zeros(0, self.dim)
+            return z, z.clone()
+        return torch.cat(ms), torch.cat(ys)
+
+
+@dataclass(eq=False)
+class SiteStatistics:
+    """What the pass gathered for one site or span (fields ``None`` when nobody asked for them)."""
+
+    site: Site
+    io: RidgeStats | None = None
+    branch: RidgeStats | None = None
+    scale: ChannelScaleStats | None = None
+    rows: ActivationRows | None = None
+    held_io: RidgeStats | None = None
+    held_branch: RidgeStats | None = None
+    extra: dict = field(default_factory=dict)
+
+    def fitting(self) -> "SiteStatistics":
+        """The statistics without the held-out windows (sums are additive: all − held)."""
+
+        def minus(a: RidgeStats | None, h: RidgeStats | None) -> RidgeStats | None:
+            if a is None or h is None:
+                return a
+            out = RidgeStats(a.dim, a.name + " [fitting windows]", device=a.buffer.device)
+            out.buffer.copy_(a.buffer - h.buffer)
+            return out
+
+        return SiteStatistics(self.site, minus(self.io, self.held_io), minus(self.branch, self.held_branch),
+                              self.scale, self.rows)
+
+
+class Collector:
+    """One pass's statistics for ``plan`` (``(site, needs)`` pairs, needs from :data:`NEEDS`; pairs
+    of the same blocks ``[start, end)`` share one :class:`SiteStatistics`), see the module doc."""
+
+    def __init__(self, dim: int, plan: list[tuple[Site, set[str]]], accum_dtype: str = "float64",
+                 holdout_every: int | None = None, max_rows: int = 262144):
+        merged: dict[tuple[int, int], tuple[Site, set[str]]] = {}
+        for site, needs in plan:
+            merged.setdefault(site.key, (site, set()))[1].update(needs)
+        self.plan = {site: needs for site, needs in merged.values()}
+        self.dim, self.accum = dim, accum_dtype
+        self.holdout_every, self.max_rows = holdout_every, max_rows
+        self.stats: dict[tuple[int, int], SiteStatistics] = {}
+        self.flat = torch.zeros(0, dtype=torch.float64)
+        self._mask: torch.Tensor | None = None
+        self._windows: torch.Tensor | None = None
+
+    def numel(self) -> int:
+        nr, ns = RidgeStats.numel(self.dim), ChannelScaleStats.numel(self.dim)
+        total = 0
+        for site, needs in self.plan.items():
+            total += nr * ("io" in needs) + nr * ("branch" in needs and site.start >= 1) + ns * ("scale" in needs)
+            if self.holdout_every:
+                total += nr * ("io" in needs) + nr * ("branch" in needs and site.start >= 1)
+        return total
+
+    def allocate(self, device) -> dict[tuple[int, int], SiteStatistics]:
+        """The flat buffer (on ``device``) and one :class:`SiteStatistics` per site, views into it."""
+        self.flat = torch.zeros(self.numel(), dtype=torch.float64, device=device)
+        nr, ns, off = RidgeStats.numel(self.dim), ChannelScaleStats.numel(self.dim), 0
+
+        def ridge(name):
+            nonlocal off
+            s = RidgeStats(self.dim, name, accum_dtype=self.accum, buffer=self.flat[off:off + nr])
+            off += nr
+            return s
+
+        self.stats = {}
+        for site, needs in self.plan.items():
+            st = SiteStatistics(site)
+            if "io" in needs:
+                st.io = ridge(site.name)
+                if self.holdout_every:
+                    st.held_io = ridge(site.name + " [held-out windows]")
+            if "branch" in needs and site.start >= 1:
+                st.branch = ridge(site.name + " [MLP branch]")
+                if self.holdout_every:
+                    st.held_branch = ridge(site.name + " [MLP branch, held-out windows]")
+            if "scale" in needs:
+                st.scale = ChannelScaleStats(self.dim, site.name, buffer=self.flat[off:off + ns])
+                off += ns
+            if "rows" in needs and site.start >= 1:
+                st.rows = ActivationRows(self.dim, self.max_rows)
+            self.stats[site.key] = st
+        return self.stats
+
+    def batch(self, mask: torch.Tensor, windows: torch.Tensor | None) -> None:
+        """The current batch's real-token mask ``(B, T)`` and window indices ``(B,)``."""
+        self._mask, self._windows = mask, windows
+
+    def install(self, model: nn.Module) -> list:
+        """Forward hooks that fill the statistics while ``model`` runs one batch; remove them after."""
+        blocks = decoder_layers(model)
+        inputs: dict[int, torch.Tensor] = {}
+        branch: dict[int, torch.Tensor] = {}
+        by_end: dict[int, list[SiteStatistics]] = {}
+        for st in self.stats.values():
+            by_end.setdefault(st.site.end, []).append(st)
+        last_end = max(by_end)
+        handles = []
+        for start in sorted({st.site.start for st in self.stats.values()}):
+            def pre(mod, args, kwargs, start=start):
+                inputs[start] = block_input(args, kwargs)
+
+            handles.append(blocks[start].register_forward_pre_hook(pre, with_kwargs=True))
+        for j in sorted({st.site.start - 1 for st in self.stats.values()
+                         if st.branch is not None or st.rows is not None}):
+            def on_branch(mod, args, output, j=j):
+                branch[j] = block_output(output)
+
+            handles.append(mlp_branch(blocks[j]).register_forward_hook(on_branch))
+
+        for end, group in by_end.items():
+            def post(mod, args, kwargs, output, group=group, end=end):
+                y = block_output(output)
+                m = self._mask
+                held = None
+                if self.holdout_every and self._windows is not None:
+                    k = self.holdout_every
+                    held = m & ((self._windows % k) == k - 1).to(m.device)[:, None]
+                for st in group:
+                    x = inputs[st.site.start]
+                    delta = y - x
+                    if st.io is not None:
+                        st.io.add_batch(x[m], delta[m])
+                        if st.held_io is not None:
+                            st.held_io.add_batch(x[held], delta[held])
+                    if st.branch is not None:
+                        b = branch[st.site.start - 1]
+                        st.branch.add_batch(b[m], delta[m])
+                        if st.held_branch is not None:
+                            st.held_branch.add_batch(b[held], delta[held])
+                    if st.scale is not None:
+                        st.scale.add_batch(x, y, m)
+                    if st.rows is not None:
+                        b = branch[st.site.start - 1]
+                        st.rows.add(self._windows, b, b + delta, m)
+                if end == last_end:
+                    raise StopForward
+
+            handles.append(blocks[end - 1].register_forward_hook(post, with_kwargs=True))
+        return handles

@@ -1,0 +1,88 @@
+"""The calibration knobs (``--calibration.*``): one typed dataclass, validated in one place."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import ConfigError
+
+#: The registered solvers (:mod:`shift_lightning.calibration.solvers`), as the config's choices.
+#: ``tests/test_structure.py`` checks that this list and the registry agree.
+SolverName = Literal["lra", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch", "lra_guard",
+                     "guarded"]
+
+
+@dataclass
+class CalibrationConfig:
+    """How the maps that replace removed blocks are fitted."""
+
+    solver: SolverName = "lra"
+    """The map: ``lra`` (y = x + xWᵀ + b, the paper's LRA), ``nobias`` (y = x + xWᵀ, Ghosted Layers),
+    ``affine`` (y = xAᵀ + c, no identity path; ablation), ``replaceme`` (ReplaceMe's least-squares map
+    folded into the last kept block's MLP), ``replaceme_cosine`` (ReplaceMe's cosine-objective map,
+    Adam on cached activations: its strongest training-free variant), ``linearpatch`` (LinearPatch's
+    P = H D Hᵀ), ``lra_guard`` (the LRA with its ridge strength chosen per site by held-out
+    reconstruction error), ``guarded`` (per span the map among none / the LRA along its ridge path /
+    no bias / ReplaceMe that keeps the model closest to the original on held-out calibration
+    windows, by next-token KL)."""
+    mode: Literal["independent", "sequential"] = "independent"
+    """``independent`` (one pass of the original model) or ``sequential`` (each site sees the
+    corrected pruned model's hidden states; about one pass in all, block by block)."""
+    granularity: Literal["block", "span"] = "block"
+    """``block``: one map per removed block (merged afterwards); ``span``: one per contiguous run."""
+    rank: int | None = None
+    """Adapter rank r (W = UVᵀ, 2dr + d parameters, optimal reduced-rank fit); None = full rank."""
+    damping: float = 1e-4
+    """Relative ridge damping: λ = damping · mean(diag(XcᵀXc))."""
+    merge: bool = True
+    """Merge the adapters of adjacent removed blocks into one exact affine map."""
+    accum_dtype: Literal["auto", "float64", "float32", "tf32", "bfloat16"] = "auto"
+    """How a batch's products are formed before they are added into the float64 master sums:
+    ``float64``; ``float32`` / ``tf32`` / ``bfloat16`` chunks (the GEMM's input precision, float32
+    accumulation); ``auto``: float64 on CPU, on CUDA bfloat16 for bf16 models and tf32 otherwise
+    (see :mod:`shift_lightning.stats`; errors and speed: ``benchmarks/calibration.py --accum``)."""
+    heldout: bool = True
+    """Also measure every site's relative residual error on the held-out windows."""
+    guard_every: int = 4
+    """``lra_guard`` / ``guarded``: every k-th calibration window is held out of the fit and judges
+    the candidates; the chosen map is then refitted on all windows."""
+    guard_path: list[float] | None = None
+    """``guarded``: the LRA's ridge path, relative dampings tried besides none / no bias / ReplaceMe
+    (``null``: ``[damping, 1e-2, 1, 100]``)."""
+    guard_topk: int = 64
+    """``guarded``: the original's top-k next-token probabilities kept per held-out position (KL)."""
+    cosine_epochs: int = 10
+    """``replaceme_cosine``: passes of Adam over the cached activations (ReplaceMe's default: 10)."""
+    cosine_lr: float = 1e-4
+    """``replaceme_cosine``: Adam's learning rate (ReplaceMe's default: 1e-4)."""
+    cosine_batch_tokens: int = 1024
+    """``replaceme_cosine``: tokens per Adam step (ReplaceMe's default: 1024)."""
+    cosine_max_tokens: int = 262144
+    """``replaceme_cosine``: at most this many calibration tokens are cached per span (two float32
+    rows of d each: 2·4·d bytes a token, 1.2 GB at d = 576, 8.6 GB at d = 4096)."""
+    seed: int = 0
+    """Seed of the iterative solvers (``replaceme_cosine``'s data order)."""
+
+    def ridge_path(self) -> list[float]:
+        """``guarded``: the relative dampings of the LRA candidates."""
+        return list(self.guard_path) if self.guard_path is not None else [self.damping, 1e-2, 1.0, 100.0]
+
+    def validate(self) -> None:
+        """Cheap checks (before any model is loaded); the solver checks its own options."""
+        if not (isinstance(self.damping, (int, float)) and math.isfinite(self.damping) and self.damping > 0):
+            raise ConfigError(f"--calibration.damping must be a finite number > 0, got {self.damping}")
+        if self.rank is not None and self.rank < 1:
+            raise ConfigError(f"--calibration.rank must be >= 1 or null (full rank), got {self.rank}")
+        if self.guard_every < 2:
+            raise ConfigError(f"--calibration.guard_every must be >= 2 (every k-th window held out), got {self.guard_every}")
+        if not self.ridge_path() or any(not (math.isfinite(x) and x > 0) for x in self.ridge_path()):
+            raise ConfigError(f"--calibration.guard_path must be finite relative dampings > 0, got {self.guard_path}")
+        if self.guard_topk < 1:
+            raise ConfigError(f"--calibration.guard_topk must be >= 1, got {self.guard_topk}")
+        for name in ("cosine_epochs", "cosine_batch_tokens", "cosine_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--calibration.{name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.cosine_lr) and self.cosine_lr > 0):
+            raise ConfigError(f"--calibration.cosine_lr must be a finite number > 0, got {self.cosine_lr}")

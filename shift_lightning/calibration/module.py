@@ -1,0 +1,360 @@
+""":class:`CalibrationModule`: the Lightning glue around collection, the solvers and the guard.
+
+    pass(es) of the original model ──> statistics (one flat buffer, ONE all-reduce)
+        ──> solves shared out among ranks, broadcast ──> (guarded: judge pass) ──> maps per span
+
+It receives a built model and the original indices of the blocks to remove (it never prunes:
+:func:`~shift_lightning.surgery.remove_blocks` does); ``solvers`` (default ``[cfg.solver]``) are
+fitted from the same pass. Afterwards :meth:`correction` gives what a solver does to the pruned
+model, :attr:`solutions` the fitted maps, :attr:`reports` the per-site errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import lightning as L
+import torch
+from torch import nn
+
+from ..arch import decoder_layers
+from ..data import TokenWindows, check_seq_len
+from ..errors import ConfigError
+from ..passes import DataPass, sum_across_ranks
+from ..stats import Solution
+from .collect import Collector, SiteStatistics, StopForward
+from .config import CalibrationConfig
+from .judge import GuardJudge
+from .maps import Correction, SpanMap, adapter_from, as_affine, assemble, chain
+from .sequential import SequentialWalk
+from .sites import Site, make_sites, sites_in, span_sites
+from .solve import Job, solve_shared
+from .solvers import Solver, get_solver
+
+log = logging.getLogger(__name__)
+
+
+def check_windows(model: nn.Module, windows: TokenWindows, option: str = "--data", fitting: bool = True) -> None:
+    """Before any pass: refuse windows longer than the model's maximum positions, and warn when
+    ``fitting`` windows give a site fewer tokens than the ``d + 1`` unknowns of each output of its
+    map (the fit is then underdetermined: only the damping makes it unique)."""
+    longest = int(windows.attention_mask.sum(1).max()) if len(windows) else 0  # padding has no position
+    check_seq_len(model, longest, f"{option}.seq_len")
+    d = model.config.hidden_size
+    if fitting and windows.num_tokens < d + 1:
+        log.warning("Calibration gives each site %d tokens, fewer than the d + 1 = %d unknowns per output of its "
+                    "map: the fit is underdetermined (only the damping makes it unique). Raise %s.num_samples / "
+                    "%s.seq_len to at least %d tokens (ideally many times more).", windows.num_tokens, d + 1,
+                    option, option, d + 1)
+
+
+class CalibrationModule(DataPass):
+    """Gradient-free statistics pass(es) + distributed closed-form solve (see the module doc)."""
+
+    needs_grad_mode = True  # solved adapters must not be inference tensors
+    stage = "calibration statistics"
+
+    def __init__(self, model: nn.Module, removed: list[int], cfg: CalibrationConfig | None = None,
+                 solvers: list[str] | None = None):
+        super().__init__()
+        self.model = model
+        self.cfg = cfg = cfg or CalibrationConfig()
+        cfg.validate()
+        self.requested = list(dict.fromkeys(solvers or [cfg.solver]))
+        self.solvers: dict[str, Solver] = {n: get_solver(n, cfg) for n in self.requested}
+        for name in self.requested:
+            for inner in self.solvers[name].wraps:
+                self.solvers.setdefault(inner, get_solver(inner, cfg))
+        if cfg.mode == "sequential" and (len(self.requested) > 1 or not self.solvers[self.requested[0]].sequential):
+            raise ConfigError("--calibration.mode sequential fits one solver of the LRA family (lra, nobias, affine); "
+                              "the others are fitted on the original model (independent)")
+        self.removed = sorted(removed)
+        self.num_layers = len(decoder_layers(model))  # the original depth (the model may be pruned later)
+        self.dim = model.config.hidden_size
+        self.spans = span_sites(self.removed)
+        per_span_only = all(s.per_span for s in self.solvers.values())  # peers only: their sites are the spans
+        self.sites = self.spans if cfg.granularity == "span" or per_span_only else make_sites(self.removed, "block")
+        self.statistics: dict[tuple[int, int], SiteStatistics] = {}
+        self.solutions: dict[str, dict[tuple[int, int], Solution]] = {n: {} for n in self.solvers}
+        self.reports: dict[tuple[int, int], dict] = {s.key: {} for s in self.sites + self.spans}
+        self._chosen: dict[str, dict[tuple[int, int], SpanMap]] = {}
+        self._adapters: dict[tuple[str, tuple[int, int]], nn.Module] = {}
+        self._collector: Collector | None = None
+        self._walk: SequentialWalk | None = None
+        self._on_site = None
+        self.solve_seconds = 0.0
+
+    @property
+    def primary(self) -> str:
+        return self.requested[0]
+
+    # ---------------------------------------------------------------- the pass (DataPass hooks)
+    def begin(self):
+        if self._walk is None:
+            self._collector.allocate(self.device)  # allocated here: the module is on its device now
+
+    def step(self, batch, batch_idx):
+        mask = batch["attention_mask"].bool()
+        if self._walk is not None:
+            return self._walk.cache_batch(batch, mask)
+        self._collector.batch(mask, batch.get("index"))
+        handles = self._collector.install(self.model)
+        try:
+            with torch.no_grad():
+                self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        except StopForward:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+
+    def state(self) -> list[torch.Tensor]:
+        return [] if self._walk is not None else [self._collector.flat]  # ONE flat buffer, every site
+
+    def finish(self):
+        if self._walk is not None:  # still inside the predict loop: model on its device, process group alive
+            self._walk.walk(self.device, self._on_site, lambda t: sum_across_ranks(t, self.trainer))
+
+    def _collect(self, trainer, windows, batch_size, plan, stage, holdout=False):
+        self._collector = Collector(self.dim, plan, self.cfg.accum_dtype, self.cfg.guard_every if holdout else None,
+                                    self.cfg.cosine_max_tokens)
+        self.stage = stage
+        self.run(trainer, windows, batch_size)
+        return self._collector.stats
+
+    def _sequential(self, trainer, windows, batch_size, on_site, stage):
+        self._walk = SequentialWalk(self.model, self.sites, self.dim, self.cfg.accum_dtype)
+        self._on_site, self.stage = on_site, stage
+        try:
+            self.run(trainer, windows, batch_size)
+        finally:
+            self._walk = self._on_site = None
+
+    # ---------------------------------------------------------------- fitting
+    def _targets(self, solver: Solver) -> list[Site]:
+        return [t for t in (self.spans if solver.per_span else self.sites) if solver.applies(t)]
+
+    def _fittable(self) -> list[Solver]:
+        return [s for s in self.solvers.values() if not s.wraps]
+
+    def calibrate(self, trainer: L.Trainer, windows: TokenWindows, heldout: TokenWindows | None = None,
+                  batch_size: int = 4, check: bool = True) -> list[Site]:
+        """Run the statistics pass(es) and the solves; returns the sites (every rank identical).
+
+        ``check``: :func:`check_windows` first (a caller that checked before its own passes skips it)."""
+        if check:
+            check_windows(self.model, windows)
+            if heldout is not None:
+                check_windows(self.model, heldout, "--heldout", fitting=False)
+        t0 = time.time()
+        if self.cfg.mode == "independent":
+            plan = [(t, set(s.needs)) for s in self._fittable() for t in (self.spans if s.per_span else self.sites)]
+            holdout = any(s.holdout for s in self.solvers.values())
+            self.statistics = self._collect(trainer, windows, batch_size, plan, "calibration statistics", holdout)
+            self.solve()
+            if "guarded" in self.solvers:
+                self._guard(trainer, windows, batch_size)
+        else:
+            solver = self.solvers[self.primary]
+
+            def fit_site(site, stats):
+                self.statistics[site.key] = stats
+                sol = solve_shared([Job(solver.name, site, solver, stats)], self.dim, stats.io.buffer.device)[0]
+                self._store(solver, site, sol, stats)
+                return self.adapter(solver.name, site)
+
+            self._sequential(trainer, windows, batch_size, fit_site, "calibration statistics (sequential)")
+        self.solve_seconds = time.time() - t0
+        if heldout is not None and len(heldout):
+            self.measure(trainer, heldout, batch_size, key="heldout")
+        return self.sites
+
+    def solve(self) -> list[Site]:
+        """(Re)solve every solver from the statistics held now, e.g. statistics summed over several
+        passes (:meth:`add_statistics`) or reused with another damping or rank."""
+        jobs = [Job(s.name, t, s, self.statistics[t.key]) for s in self._fittable() for t in self._targets(s)]
+        device = next((st.io or st.branch or st.scale).buffer.device for st in self.statistics.values()
+                      if (st.io or st.branch or st.scale) is not None)
+        for job, sol in zip(jobs, solve_shared(jobs, self.dim, device)):
+            self._store(job.solver, job.site, sol, job.stats)
+        return self.sites
+
+    def _store(self, solver: Solver, site: Site, sol: Solution, stats: SiteStatistics) -> None:
+        self.solutions[solver.name][site.key] = sol
+        self._adapters.pop((solver.name, site.key), None)
+        st = stats.branch if solver.placement == "branch" else stats.io
+        entry = {"lam": sol.lam, **sol.info}
+        if st is not None:
+            Wd, bd = sol.delta_map()
+            entry.update(calib_rel_error=st.relative_error(Wd, bd), calib_tokens=st.num_tokens, accum=st.scheme)
+        rep = self.reports[site.key]
+        rep.setdefault("solvers", {}).setdefault(solver.name, {}).update(entry)
+        if solver.name == self.primary:
+            rep.update({k: v for k, v in entry.items() if k in ("calib_rel_error", "calib_tokens", "lam", "accum")})
+
+    def add_statistics(self, other: "CalibrationModule") -> None:
+        """Add ``other``'s statistics (same sites, e.g. a pass over more windows) to ours: the sums
+        ``[X,1]ᵀ[X,1]``, ``[X,1]ᵀΔ``, ``Σ‖Δ‖²`` are additive over disjoint windows."""
+        from ..stats import RidgeStats
+
+        for key, theirs in other.statistics.items():
+            mine = self.statistics.setdefault(key, SiteStatistics(theirs.site))
+            for field_ in ("io", "branch", "held_io", "held_branch"):
+                t = getattr(theirs, field_)
+                if t is None:
+                    continue
+                if getattr(mine, field_) is None:
+                    setattr(mine, field_, RidgeStats(self.dim, t.name, device=t.buffer.device))
+                getattr(mine, field_).buffer += t.buffer
+
+    # ---------------------------------------------------------------- the guard
+    def _candidate(self, name: str, solver: str | None, span: Site, sols: dict) -> SpanMap | None:
+        if solver is None:
+            return SpanMap(span, source=name)
+        s = self.solvers[solver]
+        if s.placement == "branch":
+            sol = sols.get((name, span.key))
+            return None if sol is None else SpanMap(span, branch=sol.W.T, source=name)
+        dtype = next(self.model.parameters()).dtype
+        parts = [adapter_from(sols[(name, t.key)], s.bias, dtype, s.rank(self.dim)) for t in sites_in(span, self.sites)]
+        return SpanMap(span, adapter=chain(parts, self.cfg.merge), source=name)
+
+    def _guard_jobs(self, choices: list[tuple[str, str | None, float | None]], fitting: bool) -> dict:
+        jobs = []
+        for name, solver, lam in choices:
+            if solver is None:
+                continue
+            s = get_solver(solver, replace(self.cfg, damping=lam) if lam is not None else self.cfg)
+            for span in self.spans:
+                for t in ([span] if s.per_span else sites_in(span, self.sites)):
+                    if s.applies(t):
+                        st = self.statistics[t.key]
+                        jobs.append(Job(name, t, s, st.fitting() if fitting else st))
+        device = self._collector.flat.device
+        return {(j.tag, j.site.key): sol for j, sol in zip(jobs, solve_shared(jobs, self.dim, device))}
+
+    def _guard(self, trainer: L.Trainer, windows: TokenWindows, batch_size: int) -> None:
+        """Fit the candidates without the held-out windows, judge them there, refit the chosen (see
+        :mod:`~shift_lightning.calibration.solvers.guard`)."""
+        guard = self.solvers["guarded"]
+        cands = guard.candidates()
+        sols = self._guard_jobs(cands, fitting=True)
+        default_name = next(n for n, s, lam in cands if s == "lra")
+        candidates, default = {}, {}
+        for span in self.spans:
+            maps = [self._candidate(n, s, span, sols) for n, s, _ in cands]
+            candidates[span.key] = [m for m in maps if m is not None]
+            default[span.key] = next(m for m in candidates[span.key] if m.source == default_name)
+        k = self.cfg.guard_every
+        held = [i for i in range(len(windows)) if i % k == k - 1]
+        if not held:
+            raise ConfigError(f"--calibration.solver guarded holds out every {k}-th calibration window, but there are "
+                              f"only {len(windows)}: raise --data.num_samples")
+        judge = GuardJudge(self.model, self.removed, self.spans, candidates, default, self.cfg.guard_topk)
+        judge.run(trainer, TokenWindows(windows.input_ids[held], windows.attention_mask[held]), batch_size)
+        chosen = {key: judge.results[key]["chosen"] for key in judge.results}
+        refit = self._guard_jobs([c for c in cands if c[0] in set(chosen.values())], fitting=False)
+        self._chosen["guarded"] = {}
+        for span in self.spans:
+            name = chosen[span.key]
+            solver = next(s for n, s, _ in cands if n == name)
+            self._chosen["guarded"][span.key] = self._candidate(name, solver, span, refit)
+            self.reports[span.key]["guard"] = {**judge.results[span.key], "held_out_windows": len(held)}
+
+    # ---------------------------------------------------------------- held-out errors
+    def measure(self, trainer: L.Trainer, windows: TokenWindows, batch_size: int = 4, key: str = "heldout") -> None:
+        """Relative residual error ``‖Δ − Δ̂‖² / ‖Δ‖²`` of the solved maps on other windows, per site
+        and (several solvers or per-span ones) of each solver's whole-span map per span."""
+        if self.cfg.mode == "sequential":
+            name = self.primary
+
+            def measure_site(site, stats):
+                Wd, bd = self.solutions[name][site.key].delta_map()
+                self._record(site, name, key, stats.io.relative_error(Wd, bd), stats.io.num_tokens)
+                return self.adapter(name, site)
+
+            self._sequential(trainer, windows, batch_size, measure_site, "held-out errors (sequential)")
+            return
+        branch = any(s.placement == "branch" for s in self.solvers.values())
+        span_level = len(self.requested) > 1 or any(self.solvers[n].per_span for n in self.requested)
+        plan = [(t, {"io"}) for t in self.sites if any(not s.per_span for s in self._fittable())]
+        if span_level:
+            plan += [(t, {"io", "branch"} if branch else {"io"}) for t in self.spans]
+        fresh = self._collect(trainer, windows, batch_size, plan, "held-out errors")
+        for s in self._fittable():
+            for t in self._targets(s):
+                st = fresh.get(t.key)
+                st = None if st is None else (st.branch if s.placement == "branch" else st.io)
+                if st is not None and t.key in self.solutions[s.name]:
+                    Wd, bd = self.solutions[s.name][t.key].delta_map()
+                    self._record(t, s.name, key, st.relative_error(Wd, bd), st.num_tokens)
+        if span_level:
+            eye = torch.eye(self.dim, dtype=torch.float64)
+            for span in self.spans:
+                out = self.reports[span.key].setdefault("span_errors", {})
+                st = fresh[span.key]
+                for name in self.requested:
+                    m = self.span_map(name, span)
+                    if m.branch is not None and st.branch is not None:
+                        T = m.branch.to(torch.float64)
+                        err = st.branch.relative_error(T.T - eye.to(T), torch.zeros(self.dim, dtype=torch.float64))
+                    elif m.adapter is not None:
+                        M, c = as_affine(m.adapter)
+                        err = st.io.relative_error(M - eye.to(M), c)
+                    elif m.branch is None:
+                        err = 1.0  # no map: the update is dropped, Δ̂ = 0
+                    else:
+                        continue
+                    out[name] = {f"{key}_rel_error": err}
+
+    def _record(self, site: Site, name: str, key: str, err: float, tokens: int) -> None:
+        rep = self.reports[site.key]
+        rep.setdefault("solvers", {}).setdefault(name, {})[f"{key}_rel_error"] = err
+        if name == self.primary:
+            rep[f"{key}_rel_error"], rep[f"{key}_tokens"] = err, tokens
+
+    # ---------------------------------------------------------------- results
+    def solution(self, site: Site, name: str | None = None) -> Solution:
+        return self.solutions[name or self.primary][site.key]
+
+    def adapter(self, name: str, site: Site) -> nn.Module:
+        """The adapter of ``site`` fitted by solver ``name`` (cached)."""
+        key = (name, site.key)
+        if key not in self._adapters:
+            s = self.solvers[name]
+            dtype = next(self.model.parameters()).dtype
+            self._adapters[key] = adapter_from(self.solutions[name][site.key], s.bias, dtype, s.rank(self.dim))
+        return self._adapters[key]
+
+    def span_map(self, name: str, span: Site) -> SpanMap:
+        """What solver ``name`` puts at ``span``."""
+        if name in self._chosen:
+            return self._chosen[name][span.key]
+        s = self.solvers[name]
+        if s.placement == "branch":
+            sol = self.solutions[name].get(span.key)
+            if sol is None:
+                return SpanMap(span, source=name, note=f"span {span.start}..{span.end - 1} starts at block 0: no block to "
+                                                       f"fold {s.label.lstrip('+')}'s map into; left uncorrected")
+            return SpanMap(span, branch=sol.W.T, source=name)
+        if s.per_span:
+            return SpanMap(span, adapter=self.adapter(name, span), source=name)
+        return SpanMap(span, adapter=chain([self.adapter(name, t) for t in sites_in(span, self.sites)], self.cfg.merge),
+                       source=name)
+
+    def correction(self, name: str | None = None) -> Correction:
+        """What solver ``name`` (default: the first requested) does to the pruned model."""
+        name = name or self.primary
+        if name not in self.requested:
+            raise ConfigError(f"solver {name!r} was not fitted here (fitted: {', '.join(self.requested)})")
+        return assemble(name, [self.span_map(name, sp) for sp in self.spans], self.num_layers, self.removed)
+
+    def adapters_by_position(self, name: str | None = None) -> dict[int, nn.Module]:
+        """Adapters keyed by pruned position; adjacent ones merged exactly when ``cfg.merge``."""
+        return self.correction(name).adapters
+
+    def site_reports(self) -> list[dict]:
+        """Per site: blocks and its report (what ``calibration_report.json`` lists)."""
+        return [{"index": s.index, "blocks": s.blocks, **self.reports[s.key]} for s in self.sites]

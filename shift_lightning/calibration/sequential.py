@@ -1,0 +1,94 @@
+"""Sequential calibration, as GPTQ's ``llama_sequential`` runs it: each site fitted on the hidden
+states of the already corrected pruned model, every block run once.
+
+One caching pass (:meth:`SequentialWalk.cache_batch`, per batch) runs the model up to the first
+site and keeps the hidden state entering it plus every later block's call arguments (the blocks are
+stood in for by :class:`_Recorder`, which stops the forward after the last site). Then
+:meth:`SequentialWalk.walk` moves block after block over the cached batches: a kept block updates
+the states; a site accumulates its ``(x, Δ)`` statistics (one all-reduce per site, each depending on
+the previous solution), is solved, and its adapter updates the states. About one forward pass up to
+the last site in all, not one per site.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..arch import block_output, decoder_layers, swapped_blocks
+from ..stats import RidgeStats
+from .collect import SiteStatistics, StopForward
+from .sites import Site
+
+
+class _Recorder(nn.Module):
+    """Stands in for block ``j`` during the caching pass: records the call."""
+
+    def __init__(self, j: int, sink: dict, last: int):
+        super().__init__()
+        self.j, self.sink, self.last = j, sink, last
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if "h" not in self.sink:
+            self.sink["h"] = hidden_states
+        self.sink[self.j] = (args, kwargs)
+        if self.j == self.last:
+            raise StopForward
+        return hidden_states
+
+
+class SequentialWalk:
+    """Cached batches and the block-by-block walk over them (see the module doc)."""
+
+    def __init__(self, model: nn.Module, sites: list[Site], dim: int, accum_dtype: str):
+        self.model, self.sites, self.dim, self.accum = model, sorted(sites, key=lambda s: s.start), dim, accum_dtype
+        self.cached: list[dict] = []
+
+    @torch.no_grad()
+    def cache_batch(self, batch: dict, mask: torch.Tensor) -> None:
+        first, last = self.sites[0].start, max(s.end for s in self.sites) - 1
+        sink: dict = {}
+        stubs = {j: _Recorder(j, sink, last) for j in range(first, last + 1)}
+        with swapped_blocks(self.model, stubs):
+            try:
+                self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+            except StopForward:
+                pass
+        self.cached.append({"h": sink.pop("h"), "calls": sink, "mask": mask})
+
+    @torch.no_grad()
+    def walk(self, device, on_site: Callable[[Site, SiteStatistics], nn.Module],
+             reduce: Callable[[list[torch.Tensor]], None]) -> None:
+        """``on_site(site, statistics)`` gets each site's reduced statistics on the current states and
+        returns the adapter that then moves the states on (every rank)."""
+        blocks = decoder_layers(self.model)
+        site_at = {s.start: s for s in self.sites}
+        j, last = self.sites[0].start, max(s.end for s in self.sites)
+
+        def run_block(i, entry, h):
+            args, kwargs = entry["calls"][i]
+            return block_output(blocks[i](h, *args, **kwargs))
+
+        while j < last:
+            site = site_at.get(j)
+            if site is None:
+                for e in self.cached:
+                    e["h"] = run_block(j, e, e["h"])
+                j += 1
+                continue
+            flat = torch.zeros(RidgeStats.numel(self.dim), dtype=torch.float64, device=device)
+            stats = SiteStatistics(site, io=RidgeStats(self.dim, site.name, accum_dtype=self.accum, buffer=flat))
+            for e in self.cached:
+                x, y = e["h"], e["h"]
+                for i in range(site.start, site.end):
+                    y = run_block(i, e, y)
+                m = e["mask"]
+                stats.io.add_batch(x[m], (y - x)[m])
+            reduce([flat])
+            adapter = on_site(site, stats).to(device)
+            for e in self.cached:
+                e["h"] = adapter(e["h"])
+            j = site.end
+        self.cached = []

@@ -1,0 +1,73 @@
+"""The distributed solve: job ``n`` runs on rank ``n mod world``, its map is broadcast to every rank.
+
+Every solver returns a :class:`~shift_lightning.stats.Solution` of known shapes (``W (d, d)``,
+``b (d,)``, ``U, V (d, r)`` when low rank, ``λ``), so the broadcast is the same for every map; its
+small ``info`` dict (and any :class:`~shift_lightning.stats.SolveError`) travels as an object, so a
+failed solve raises the same one-line error on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import dist
+from ..stats import Solution, SolveError
+from .collect import SiteStatistics
+from .sites import Site
+from .solvers import Solver
+
+
+@dataclass
+class Job:
+    """Fit ``site`` with ``solver`` on ``stats``; ``tag`` says where the solution belongs."""
+
+    tag: str
+    site: Site
+    solver: Solver
+    stats: SiteStatistics
+
+
+def _broadcast_object(obj, src: int):
+    if dist.world_size() == 1:
+        return obj
+    import torch.distributed as tdist
+
+    box = [obj]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def solve_shared(jobs: list[Job], dim: int, device) -> list[Solution]:
+    """Solve ``jobs`` shared out among ranks; every rank returns every solution (same order)."""
+    world, me = dist.world_size(), dist.rank()
+    out = []
+    for n, job in enumerate(jobs):
+        owner = n % world
+        r = job.solver.rank(dim)
+        f64 = dict(dtype=torch.float64, device=device)
+        W, b, lam = torch.zeros(dim, dim, **f64), torch.zeros(dim, **f64), torch.zeros(1, **f64)
+        U, V = torch.zeros(dim, r or 1, **f64), torch.zeros(dim, r or 1, **f64)
+        meta: dict = {}
+        if me == owner:
+            try:
+                job.solver.device = device
+                sol = job.solver.fit(job.stats)
+                W.copy_(sol.W), b.copy_(sol.b), lam.fill_(sol.lam)
+                if r and sol.U is not None:
+                    U.copy_(sol.U), V.copy_(sol.V)
+                meta = {"kind": sol.kind, "info": sol.info, "low_rank": sol.U is not None}
+            except SolveError as e:
+                meta = {"error": str(e)}
+        dist.broadcast_tensors([W, b, U, V, lam], src=owner)
+        meta = _broadcast_object(meta, owner)
+        if "error" in meta:
+            raise SolveError(meta["error"])
+        if not torch.isfinite(W).all():
+            raise SolveError(f"{job.site.name}: the {job.solver.name} solve failed on rank {owner}; increase "
+                             "--calibration.damping")
+        low = meta["low_rank"]
+        out.append(Solution(W, b, U if low else None, V if low else None, float(lam.item()), meta["kind"],
+                            info=meta["info"]))
+    return out

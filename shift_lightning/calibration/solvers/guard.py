@@ -1,0 +1,44 @@
+"""The do-no-harm guard (``guarded``): per span, the map that keeps the model closest to the original.
+
+A map fitted to the removed blocks' update on calibration text can still move the model away from
+the original elsewhere (a shifted yes/no prior, another domain). Reconstruction error cannot see
+that (``lra_guard`` chooses by it and does not remove a single negative gain in the paper grid), so
+this guard judges by what a user cares about: the next-token KL to the original model.
+
+Every ``guard_every``-th calibration window is held out. On the others the guard fits, per span,
+the candidates
+
+    none (plain pruning) · the LRA at each relative damping of ``--calibration.guard_path``
+    (its ridge path, shrinking towards none) · the LRA without bias · ReplaceMe (least squares)
+
+and, span after span (earlier spans at their chosen map, later spans at the plain LRA), runs the
+pruned model on the held-out windows with each candidate in place and keeps the one with the
+lowest mean ``KL(original ‖ model)`` (the original's top-``guard_topk`` distributions,
+:mod:`shift_lightning.fidelity`; ties go to the earlier candidate). The chosen map is then refitted
+on all windows. The held-out windows are calibration text, never the evaluated data.
+"""
+
+from __future__ import annotations
+
+from ...stats import Solution
+from ..collect import SiteStatistics
+from .base import Solver, register
+
+
+@register
+class Guarded(Solver):
+    name, label = "guarded", "+guarded"
+    per_span = True
+    holdout = True
+    needs = frozenset()
+    wraps = ("lra", "nobias", "replaceme")
+
+    def candidates(self) -> list[tuple[str, str | None, float | None]]:
+        """``(candidate, solver, relative damping)`` in tie-breaking order; ``None``: no map."""
+        out: list[tuple[str, str | None, float | None]] = [("none", None, None)]
+        out += [(f"lra@{lam:g}", "lra", lam) for lam in self.cfg.ridge_path()]
+        out += [("nobias", "nobias", None), ("replaceme", "replaceme", None)]
+        return out
+
+    def fit(self, stats: SiteStatistics) -> Solution:  # pragma: no cover - orchestrated by the module
+        raise NotImplementedError("the guard chooses among fitted maps with a judge pass; see CalibrationModule")

@@ -1,0 +1,27 @@
+"""LinearPatch, training-free (arXiv 2505.24680): ``y = x P`` at the pruning interface, ``P = H D Hᵀ``
+with ``H`` a normalised Hadamard matrix and ``D`` the per-channel scaling of the span's output over
+its input in the Hadamard basis (:mod:`shift_lightning.peers`). No bias; an affine adapter with
+``A = Pᵀ``."""
+
+from __future__ import annotations
+
+import torch
+
+from ...peers import linearpatch_matrix
+from ...stats import Solution
+from ..collect import SiteStatistics
+from .base import Solver, register
+
+
+@register
+class LinearPatch(Solver):
+    name, label = "linearpatch", "+LinearPatch"
+    per_span = True
+    bias = False
+    needs = frozenset({"scale"})
+
+    def fit(self, stats: SiteStatistics) -> Solution:
+        scale = stats.scale.scale()
+        P = linearpatch_matrix(scale)
+        zero = torch.zeros(P.shape[0], dtype=torch.float64, device=P.device)
+        return Solution(P.T.contiguous(), zero, None, None, 0.0, "affine", info={"scale_mean": float(scale.mean())})

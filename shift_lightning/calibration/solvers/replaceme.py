@@ -1,0 +1,91 @@
+"""ReplaceMe (arXiv 2505.02819; mts-ai/ReplaceMe): a map ``T`` on the MLP branch of the last kept block.
+
+With ``m`` the MLP-branch output of block ``s − 1`` and ``Δ`` what the span ``[s, e)`` adds to the
+residual stream, ReplaceMe replaces ``m`` by ``m T`` so that block ``s − 1`` alone produces
+``h_e ≈ x + Δ``: the target of ``m T`` is ``m + Δ``. ``T`` is folded into ``down_proj``
+(:func:`~shift_lightning.peers.fold_replaceme`), so the corrected model is a stock HF model. A span
+starting at block 0 has no block to fold into and stays uncorrected.
+
+* ``replaceme``: least squares, ``T = (mᵀm + λI)⁻¹ mᵀ(m + Δ)`` (its ``lstsq.py``), as
+  ``ridge_solve(kind="affine", bias=False)`` on the statistics of ``(m, Δ)`` (``A = Tᵀ``). On
+  purpose unlike the reference: padding is masked out of ``mᵀm`` and the solve is Cholesky with
+  relative damping instead of ``inv`` at α = 0.
+* ``replaceme_cosine``: the paper's strongest training-free variant (its Tables 2 and 5; the repo's
+  ``cosine_dist.py`` + ``utils.adam_method`` defaults): ``T`` starts at the identity and Adam
+  (lr 1e-4, 1024 tokens a step, 10 epochs over the cached tokens, reshuffled each epoch) minimises
+  ``1 − mean_t cos(m_t T, m_t + Δ_t)`` over the calibration tokens (float32, seeded order, padding
+  masked; the reference keeps padding rows). The cached rows are capped at
+  ``--calibration.cosine_max_tokens``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...stats import Solution, ridge_solve
+from ..collect import SiteStatistics
+from ..sites import Site
+from .base import Solver, register
+
+
+@register
+class ReplaceMe(Solver):
+    name, label = "replaceme", "+ReplaceMe"
+    per_span = True
+    placement = "branch"
+    needs = frozenset({"branch"})
+
+    def applies(self, site: Site) -> bool:
+        return site.start >= 1
+
+    def fit(self, stats: SiteStatistics) -> Solution:
+        return ridge_solve(stats.branch, self.cfg.damping, None, "affine", bias=False)
+
+
+def cosine_fit(m: torch.Tensor, y: torch.Tensor, epochs: int = 10, lr: float = 1e-4, batch_tokens: int = 1024,
+               seed: int = 0, device=None) -> tuple[torch.Tensor, list[float]]:
+    """``T: (d, d)`` float64 minimising ``1 − mean cos(m T, y)`` by Adam from ``T = I`` (see module doc);
+    ``m, y: (N, d)``. Returns ``T`` and the mean loss of each epoch."""
+    d = m.shape[1]
+    dev = device or m.device
+    lin = torch.nn.Linear(d, d, bias=False, device=dev, dtype=torch.float32)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(d))
+    opt = torch.optim.Adam(lin.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    history = []
+    with torch.enable_grad():
+        for _ in range(epochs):
+            order = torch.randperm(m.shape[0], generator=gen)
+            total, steps = 0.0, 0
+            for s in range(0, m.shape[0], batch_tokens):
+                idx = order[s:s + batch_tokens]
+                xb, yb = m[idx].to(dev, torch.float32), y[idx].to(dev, torch.float32)
+                out = lin(xb)  # m T with T = weightᵀ
+                loss = 1 - torch.nn.functional.cosine_similarity(out, yb, dim=1, eps=1e-12).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total, steps = total + float(loss), steps + 1
+            history.append(total / max(steps, 1))
+    return lin.weight.detach().T.double(), history
+
+
+@register
+class ReplaceMeCosine(ReplaceMe):
+    name, label = "replaceme_cosine", "+ReplaceMe (cosine)"
+    needs = frozenset({"branch", "rows"})
+
+    def fit(self, stats: SiteStatistics) -> Solution:
+        m, y = stats.rows.gather()
+        if m.shape[0] == 0:
+            from ...stats import SolveError
+
+            raise SolveError(f"{stats.site.name}: no calibration tokens were cached for ReplaceMe's cosine fit")
+        c = self.cfg
+        T, history = cosine_fit(m, y, c.cosine_epochs, c.cosine_lr, c.cosine_batch_tokens, c.seed, self.device)
+        d = T.shape[0]
+        zero = torch.zeros(d, dtype=torch.float64, device=T.device)
+        return Solution(T.T.contiguous(), zero, None, None, 0.0, "affine",
+                        info={"cosine_loss": history, "tokens": int(m.shape[0]),
+                              "steps": c.cosine_epochs * -(-m.shape[0] // c.cosine_batch_tokens)})

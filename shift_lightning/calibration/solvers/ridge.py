@@ -1,0 +1,54 @@
+"""The closed-form ridge maps of the removed blocks' residual update (the maths: :mod:`shift_lightning.stats`).
+
+* ``lra``: the paper's Linear Residual Adapter ``y = x + x Wᵀ + b``, ``Wᵀ = (XcᵀXc + λI)⁻¹ XcᵀΔc``;
+  low rank with ``--calibration.rank``;
+* ``nobias``: ``y = x + x Wᵀ`` (the closed-form ``I + M`` of Ghosted Layers, arXiv 2605.15491);
+* ``affine``: ``y = x Aᵀ + c`` fitted to the block output, no identity path (the paper's ablation);
+* ``lra_guard``: the LRA with its ridge strength chosen per site along ``λ·10^k`` by the relative
+  error on the held-out calibration windows, or the identity when no λ beats it
+  (:func:`~shift_lightning.stats.guarded_solve`).
+"""
+
+from __future__ import annotations
+
+from ...stats import Solution, guarded_solve, ridge_solve
+from ..collect import SiteStatistics
+from .base import Solver, register
+
+
+@register
+class LRA(Solver):
+    name, label = "lra", "+LRA"
+    sequential = low_rank = True
+    bias = True
+
+    def fit(self, stats: SiteStatistics) -> Solution:
+        return ridge_solve(stats.io, self.cfg.damping, self.rank(stats.io.dim), "residual", bias=self.bias)
+
+
+@register
+class NoBias(LRA):
+    name, label = "nobias", "+no bias"
+    bias = False
+
+
+@register
+class Affine(Solver):
+    name, label = "affine", "+affine"
+    sequential = True
+
+    def fit(self, stats: SiteStatistics) -> Solution:
+        return ridge_solve(stats.io, self.cfg.damping, None, "affine", bias=True)
+
+
+@register
+class LRAGuard(LRA):
+    name, label = "lra_guard", "+LRA, guarded (recon.)"
+    sequential = False
+    holdout = True
+
+    def fit(self, stats: SiteStatistics) -> Solution:
+        sol, report = guarded_solve(stats.io, stats.held_io, self.cfg.damping, self.rank(stats.io.dim), "residual",
+                                    bias=True)
+        sol.info = {"guard": {k: v for k, v in report.items()}}
+        return sol
