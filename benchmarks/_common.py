@@ -3,7 +3,7 @@
 Importing this module puts the repository root first on ``sys.path``, so ``python benchmarks/X.py``
 measures the checkout it lives in (not another installed copy of ``shift_lightning``).
 
-Models: ``smollm2-135m`` (or any name :func:`shift_lightning.surgery.load_pretrained` takes) with
+Models: ``smollm2-135m`` (or any name :func:`shift_lightning.load_pretrained` takes) with
 real wiki-summaries windows, or a random model of a named shape (``random:llama3-8b``,
 ``random:tiny``) with uniformly random tokens, built directly on the target device.
 """
@@ -61,7 +61,7 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype = torch.floa
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         return model.eval(), None
-    from shift_lightning.surgery import load_pretrained
+    from shift_lightning.checkpoint import load_pretrained
 
     model, tok = load_pretrained(name)
     return model.to(device=device, dtype=dtype).eval(), tok

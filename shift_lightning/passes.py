@@ -97,7 +97,13 @@ class DataPass(L.LightningModule):
             raise PassError(f"The {self.stage} pass needs Trainer(inference_mode=False) "
                             "(--trainer.inference_mode false): its results must stay trainable or need gradients.")
         self.data, self.batch_size = data, batch_size
+        try:
+            device = next(self.parameters()).device
+        except StopIteration:
+            device = None
         trainer.predict(self, return_predictions=False)
+        if device is not None and next(self.parameters()).device != device:
+            self.to(device)  # Lightning's teardown moves the module to the CPU: give it back where it was
         return self
 
     def predict_dataloader(self) -> DataLoader:

@@ -48,7 +48,8 @@ from .data import RankShard, TokenWindows
 from .errors import ConfigError
 from .nll import lm_nll_sum
 from .calibration.sites import pruned_positions
-from .surgery import adapter_module_names, adapter_set, save_pretrained
+from .checkpoint import save_pretrained
+from .surgery import adapter_module_names, adapter_set
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -85,6 +86,12 @@ class RecoveryConfig:
     """Seed of the data order and of dropout (reseeded per step, so resuming is exact)."""
     loss_chunk_tokens: int = 1024
     """Positions per chunk of the LM-head loss (bounds the float32 logits kept in memory)."""
+    val_kl: bool = True
+    """Log ``val/kl`` (next-token KL(original ‖ model), nats per position) and ``val/top1`` at every
+    validation: the original's top-``val_kl_topk`` distributions on the validation windows are recorded
+    once, before pruning (from the base model of a calibrated folder)."""
+    val_kl_topk: int = 64
+    """The original's most likely tokens kept per validation position."""
     gradient_checkpointing: bool = False
     """Recompute each block's activations in the backward pass instead of keeping them: training
     memory drops to about the model plus one block's activations, for about a third more compute."""
@@ -94,8 +101,9 @@ class RecoveryModule(L.LightningModule):
     """Fine-tunes a corrected model; see the module docstring for what it logs and checkpoints."""
 
     def __init__(self, model: nn.Module, cfg: RecoveryConfig | None = None, pruned_layers: list[int] | None = None,
-                 original_num_layers: int | None = None, tokenizer=None):
+                 original_num_layers: int | None = None, tokenizer=None, reference: dict | None = None):
         super().__init__()
+        self.reference = reference  # val window index -> the original's TopK (val/kl, val/top1); plain attribute
         self.cfg = cfg = cfg or RecoveryConfig()
         if cfg.method not in ("lora", "partial", "lra"):
             raise ConfigError(f"recovery.method must be 'lora', 'partial' or 'lra', got {cfg.method!r}")
@@ -206,10 +214,12 @@ class RecoveryModule(L.LightningModule):
         self.model.train()  # loaded models come in eval mode; LoRA dropout must be active while training
         self._t_last = None
 
-    def _nll(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _nll(self, batch, keep_hidden: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask = batch["input_ids"], batch["attention_mask"]
         lm = base_model(self.model)  # PEFT injects LoRA into the modules: the HF model runs them
         hidden = lm.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        if keep_hidden is not None:
+            keep_hidden.append(hidden)
         softcap = getattr(lm.config, "final_logit_softcapping", None)
         return lm_nll_sum(hidden, lm.lm_head, ids, mask, self.cfg.loss_chunk_tokens, softcap,
                           loss_mask=batch.get("loss_mask"))
@@ -246,18 +256,33 @@ class RecoveryModule(L.LightningModule):
     def on_validation_epoch_start(self) -> None:
         self._val_nll = torch.zeros(1, dtype=torch.float64, device=self.device)
         self._val_tokens = torch.zeros(1, dtype=torch.float64, device=self.device)
+        self._val_close = torch.zeros(3, dtype=torch.float64, device=self.device)  # Σ KL, Σ top-1, positions
 
     def validation_step(self, batch, batch_idx):
-        s, n = self._nll(batch)
+        hidden: list = []
+        s, n = self._nll(batch, hidden if self.reference is not None else None)
         self._val_nll += s.double()
         self._val_tokens += n.double()
+        if self.reference is not None and "index" in batch:
+            from .fidelity import kl_top1_from_hidden
+
+            lm = base_model(self.model)
+            softcap = getattr(lm.config, "final_logit_softcapping", None)
+            mask = batch["attention_mask"].bool()
+            for b, w in enumerate(batch["index"].tolist()):
+                kl, agree = kl_top1_from_hidden(hidden[0][b][mask[b]], lm.lm_head, self.reference[int(w)], softcap)
+                self._val_close += torch.tensor([kl.sum().item(), agree.sum().item(), kl.numel()],
+                                                dtype=torch.float64, device=self.device)
 
     def on_validation_epoch_end(self):
         from .passes import sum_across_ranks
 
-        sum_across_ranks([self._val_nll, self._val_tokens], self.trainer)  # each window on one rank
+        sum_across_ranks([self._val_nll, self._val_tokens, self._val_close], self.trainer)  # each window on one rank
         mean = self._val_nll / self._val_tokens.clamp_min(1)
         metrics = {"val/loss": float(mean), "val/ppl": float(torch.exp(mean))}
+        if self.reference is not None and self._val_close[2] > 0:
+            metrics["val/kl"] = float(self._val_close[0] / self._val_close[2])
+            metrics["val/top1"] = float(self._val_close[1] / self._val_close[2])
         # logged at the number of optimizer steps taken (0 before training), like zeroshot/*
         for name, v in metrics.items():
             self.log(name, v, prog_bar=name == "val/ppl", logger=False, sync_dist=False)

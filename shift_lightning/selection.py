@@ -83,7 +83,15 @@ def select_blocks(cfg: C.PruneConfig, model: nn.Module, windows: TokenWindows | 
     C.check_data_request(cfg, 0 if windows is None else len(windows))
     if plan.k == 0:
         return C.Selection([], cfg.criterion, None, {**plan.guards, "note": "ratio removes no block; nothing scored"})
-    scorer = C.make_scorer(cfg.criterion, num_layers, plan.k, cfg)
-    run_scorer(scorer, model, windows, cfg.batch_size, make_trainer)
+    scorer = C.make_scorer(cfg.criterion, num_layers, plan.k, cfg, plan.allowed)
+    if isinstance(scorer, C.LinearFit):  # fit on some windows (one pass per group of blocks), judge on the rest
+        fit, judge = scorer.split(len(windows))
+        scorer.plan(model.config.hidden_size)
+        while scorer.phase == 0:
+            run_scorer(scorer, model, windows.subset(fit), cfg.batch_size, make_trainer)
+            scorer.next_phase()
+        run_scorer(scorer, model, windows.subset(judge), cfg.batch_size, make_trainer)
+    else:
+        run_scorer(scorer, model, windows, cfg.batch_size, make_trainer)
     scores, details = scorer.finalize()
     return C.choose(cfg, plan, scores, {"windows": len(windows), **details})

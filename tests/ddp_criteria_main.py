@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 #: criterion name, extra PruneConfig fields
 CASES = [("block_influence", {}), ("angular", {"angular_tokens": "last"}),
-         ("angular", {"angular_tokens": "all"}), ("ppl", {}), ("taylor", {})]
+         ("angular", {"angular_tokens": "all"}), ("ppl", {}), ("taylor", {}), ("linear_fit", {"heldout_every": 3})]
 
 
 def tiny_texts(n: int = 40, seed: int = 0) -> list[str]:
@@ -63,7 +63,7 @@ def compute(devices: int) -> dict:
     for name, extra in CASES:
         cfg = PruneConfig(criterion=name, ratio=0.34, batch_size=2, **extra)
         sel = select_blocks(cfg, model, windows, make_trainer_factory(devices))
-        key = name + ("_" + extra["angular_tokens"] if extra else "")
+        key = name + ("_" + extra["angular_tokens"] if "angular_tokens" in extra else "")
         out[key] = sel.to_dict()
     return out
 

@@ -241,7 +241,9 @@ def test_errors(tiny, windows):
     with pytest.raises(CriterionError, match="every block"):
         select_blocks(PruneConfig(layers=list(range(L))), model)
     assert set(CRITERIA) == {"reverse", "reverse_star", "random", "magnitude_l1", "magnitude_l2",
-                             "taylor", "ppl", "block_influence", "angular"}
+                             "taylor", "ppl", "block_influence", "angular", "linear_fit"}
+    with pytest.raises(CriterionError, match="heldout_every"):
+        select_blocks(PruneConfig(criterion="linear_fit", heldout_every=1), model, windows)
 
 
 def test_report_is_json(tiny, windows):
@@ -286,3 +288,63 @@ def test_ppl_replay_from_cached_states_equals_full_passes(family, windows):
     assert fast.tokens.item() == full.tokens.item()
     torch.testing.assert_close(fast.nll_sum, full.nll_sum, rtol=1e-12, atol=0)
     assert fast.finalize() == full.finalize()
+
+
+# ------------------------------------------------------------------------------------------
+# linear_fit: the repaired spans' costs and the joint choice
+# ------------------------------------------------------------------------------------------
+def test_linear_fit_costs_are_the_merged_maps_heldout_error(tiny, windows):
+    """Every span's cost is the held-out residual energy of the chain of per-block LRAs (the merged
+    map calibration builds) fitted on the other windows, relative to the stream's energy."""
+    import copy
+    import itertools
+
+    import lightning as L_
+
+    from shift_lightning.arch import block_hooks, decoder_layers
+    from shift_lightning.calibration import CalibrationConfig, CalibrationModule
+    from shift_lightning.criteria import select_spans
+
+    model = copy.deepcopy(tiny[0]).double()
+    sel = select_blocks(PruneConfig(criterion="linear_fit", ratio=0.34, heldout_every=3, damping=1e-3,
+                                    batch_size=2), model, windows)
+    k = sel.details["k"]
+    fit = windows.subset([i for i in range(len(windows)) if i % 3 != 2])
+    judge = windows.subset([i for i in range(len(windows)) if i % 3 == 2])
+    trainer = L_.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, inference_mode=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    cal = CalibrationModule(model, list(range(L)), CalibrationConfig(damping=1e-3, heldout=False))
+    cal.calibrate(trainer, fit, batch_size=2)
+    states = {}
+    with torch.no_grad(), block_hooks(decoder_layers(model), lambda i, x, y: states.update({i: x, i + 1: y})):
+        model.model(input_ids=judge.input_ids, attention_mask=judge.attention_mask, use_cache=False)
+    m = judge.attention_mask.bool()
+    for a, n in [(0, 1), (1, 2), (2, 2), (3, k)]:
+        y = states[a]
+        for j in range(a, a + n):
+            y = cal.adapter("lra", cal.sites[j])(y)
+        ref = ((states[a + n] - y)[m].square().sum() / states[a + n][m].square().sum()).item()
+        assert sel.details["span_costs"][f"{a}-{a + n - 1}"] == pytest.approx(ref, rel=1e-4), (a, n)
+    # the choice is the brute-force minimum over every set of k blocks, scored span by span
+    cost = {tuple(int(x) for x in key.split("-")): v for key, v in sel.details["span_costs"].items()}
+    cost = {(a, b + 1): v for (a, b), v in cost.items()}
+    from shift_lightning.calibration import contiguous_spans
+
+    def total(blocks):
+        return sum(cost[s] for s in contiguous_spans(list(blocks)))
+
+    best = min(itertools.combinations(range(L), k), key=lambda c: (total(c), c))
+    assert sel.layers == list(best) == select_spans(cost, list(range(L)), L, k)
+    assert sel.details["selected_span_costs"] and sel.details["stat_passes"] == 1
+
+
+def test_linear_fit_groups_blocks_when_statistics_exceed_the_memory_budget(tiny, windows):
+    one = select_blocks(PruneConfig(criterion="linear_fit", ratio=0.34, batch_size=2), tiny[0], windows)
+    d = tiny[0].config.hidden_size
+    per_block_gb = ((d + 1) ** 2 + (d + 1) * d + 1) * 8 / 2 ** 30
+    small = select_blocks(PruneConfig(criterion="linear_fit", ratio=0.34, batch_size=2, max_stats_gb=2.5 * per_block_gb),
+                          tiny[0], windows)
+    assert small.details["stat_passes"] == 3 and one.details["stat_passes"] == 1
+    assert small.layers == one.layers
+    for key, v in one.details["span_costs"].items():
+        assert small.details["span_costs"][key] == pytest.approx(v, rel=1e-6)

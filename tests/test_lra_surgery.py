@@ -10,8 +10,9 @@ from torch.testing import assert_close
 from shift_lightning import load_pretrained
 from shift_lightning.lra import AdapterSpec, LinearResidualAdapter, merge_adapters
 from shift_lightning.models import ModelLoadError, build_tiny_model, decoder_layers, load_model, ModelConfig
-from shift_lightning.surgery import (SurgeryError, attach_adapters, contiguous_spans, detach_adapters,
-                                     pruned_positions, remove_blocks, save_pretrained)
+from shift_lightning.calibration import contiguous_spans, pruned_positions
+from shift_lightning.checkpoint import save_pretrained
+from shift_lightning.surgery import SurgeryError, attach_adapters, detach_adapters, remove_blocks
 
 D = 16
 

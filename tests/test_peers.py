@@ -18,7 +18,8 @@ from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.data import TextDataConfig, build_windows
 from shift_lightning.models import build_tiny_model
 from shift_lightning.peers import fold_replaceme, hadamard, linearpatch_matrix
-from shift_lightning.surgery import apply_correction, remove_blocks, save_pretrained
+from shift_lightning.checkpoint import save_pretrained
+from shift_lightning.surgery import apply_correction, remove_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = str(ROOT / "tests" / "data" / "tiny_corpus.txt")
@@ -291,3 +292,63 @@ def test_do_no_harm_guard_keeps_good_maps_and_drops_useless_ones(tiny):
     assert not torch.equal(mod.adapter("lra", noisy)(x), x)     # the unguarded map overfits
     corr = mod.correction()  # the first requested solver is the guarded one
     assert corr.solver == "lra_guard"
+
+
+def test_guard_chooses_by_heldout_closeness_and_refits_on_all_windows(tiny):
+    """An exactly affine residual block: the guard keeps the LRA (KL ≈ 0; plain pruning is far);
+    a span linear only in block s−1's MLP branch: the guard takes ReplaceMe. The chosen map is refitted
+    on every window, so it equals the plain solver's map."""
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    d = model.config.hidden_size
+    eye = torch.eye(d, dtype=torch.float64)
+    T0 = eye + _rand(d, 7, 0.3)
+    blocks = decoder_layers(model)
+    blocks[1] = Linear(eye + _rand(d, 5), 0.5 * torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(4)))
+    shared = {}
+    mlp_branch(blocks[3]).register_forward_hook(lambda mod, a, out: shared.__setitem__("m", out))
+    blocks[4] = Linear(eye, branch=shared, B=(T0 - eye).T)
+    win = _windows(tok, n=12)
+    mod = CalibrationModule(model, [1, 4], CalibrationConfig(damping=1e-8, guard_path=[1e-8, 1e-2, 1.0]),
+                            solvers=["guarded", "lra", "replaceme"])
+    mod.calibrate(_trainer(), win, batch_size=3)
+    first, second = mod.spans
+    g1, g2 = mod.reports[first.key]["guard"], mod.reports[second.key]["guard"]
+    assert g1["chosen"] == "lra@1e-08" and g1["kl"]["lra@1e-08"] < 1e-4 * g1["kl"]["none"]
+    assert g2["chosen"] == "replaceme" and g2["kl"]["replaceme"] < 1e-4 * g2["kl"]["none"]
+    assert all(g["kl"][g["chosen"]] == min(g["kl"].values()) for g in (g1, g2))
+    assert set(g1["kl"]) == {"none", "lra@1e-08", "lra@0.01", "lra@1", "nobias", "replaceme"}
+    assert g1["held_out_windows"] == 3 and g1["positions"] == int(win.attention_mask[[3, 7, 11]].sum())
+    guarded, lra, rme = (mod.correction(n) for n in ("guarded", "lra", "replaceme"))
+    x = torch.randn(2, 3, d, dtype=torch.float64)
+    assert_close(guarded.adapters[1](x), lra.adapters[1](x), rtol=1e-9, atol=1e-9)
+    assert list(guarded.branch_maps) == [3] and 2 not in guarded.adapters
+    assert_close(guarded.branch_maps[3], rme.branch_maps[3], rtol=1e-9, atol=1e-9)
+
+
+def test_replaceme_cosine_follows_the_reference_recipe(tiny):
+    """Adam from T = I on cos(m T, m + Δ): the loss falls, the map points where least squares does,
+    and the fit is deterministic (seeded order)."""
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    win = _windows(tok, n=12)
+    cfg = CalibrationConfig(cosine_epochs=30, cosine_lr=1e-2, cosine_batch_tokens=64)
+    runs = [_fit_cfg(model, [3, 4], ["replaceme_cosine", "replaceme"], win, cfg) for _ in range(2)]
+    span = runs[0].spans[0]
+    cos_sol, ls_sol = runs[0].solution(span, "replaceme_cosine"), runs[0].solution(span, "replaceme")
+    assert torch.equal(cos_sol.W, runs[1].solution(span, "replaceme_cosine").W)
+    hist = cos_sol.info["cosine_loss"]
+    assert len(hist) == 30 and hist[-1] < hist[0]
+    st = runs[0].statistics[span.key].branch
+    eye = torch.eye(cos_sol.W.shape[0], dtype=torch.float64)
+    zero = torch.zeros(cos_sol.W.shape[0], dtype=torch.float64)
+    assert st.relative_error(cos_sol.W - eye, zero) < st.relative_error(zero[:, None] * eye, zero)  # beats T = 0
+    assert cos_sol.info["tokens"] == int(win.attention_mask.sum())
+    corr = runs[0].correction("replaceme_cosine")
+    assert list(corr.branch_maps) == [2] and not corr.adapters
+    assert_close(corr.branch_maps[2], cos_sol.W.T)
+    assert ls_sol is not None
+
+
+def _fit_cfg(model, removed, solvers, windows, cfg):
+    mod = CalibrationModule(copy.deepcopy(model), removed, cfg, solvers=solvers)
+    mod.calibrate(_trainer(), windows, batch_size=4)
+    return mod

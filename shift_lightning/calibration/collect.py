@@ -56,7 +56,11 @@ class ActivationRows:
             self.parts[int(w)] = (m[b][keep].float().cpu(), target[b][keep].float().cpu())
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank's rows, in window order, capped at ``max_tokens``: ``(M, Y)``, each ``(N, d)``."""
+        """Every rank's rows, in window order, capped at ``max_tokens``: ``(M, Y)``, each ``(N, d)``.
+        A collective under ``torch.distributed``: every rank calls it (the first call; later calls
+        return the same rows)."""
+        if getattr(self, "_gathered", None) is not None:
+            return self._gathered
         parts = dict(self.parts)
         if dist.world_size() > 1:
             import torch.distributed as tdist
@@ -74,8 +78,11 @@ class ActivationRows:
             n += take
         if not ms:
             z = torch.zeros(0, self.dim)
-            return z, z.clone()
-        return torch.cat(ms), torch.cat(ys)
+            self._gathered = (z, z.clone())
+        else:
+            self._gathered = (torch.cat(ms), torch.cat(ys))
+        self.parts = {}
+        return self._gathered
 
 
 @dataclass(eq=False)

@@ -175,6 +175,9 @@ class CalibrationModule(DataPass):
         """(Re)solve every solver from the statistics held now, e.g. statistics summed over several
         passes (:meth:`add_statistics`) or reused with another damping or rank."""
         jobs = [Job(s.name, t, s, self.statistics[t.key]) for s in self._fittable() for t in self._targets(s)]
+        for job in jobs:  # collectives first, on every rank: a solve then runs on its owner alone
+            if job.stats.rows is not None:
+                job.stats.rows.gather()
         device = next((st.io or st.branch or st.scale).buffer.device for st in self.statistics.values()
                       if (st.io or st.branch or st.scale) is not None)
         for job, sol in zip(jobs, solve_shared(jobs, self.dim, device)):
@@ -354,6 +357,16 @@ class CalibrationModule(DataPass):
     def adapters_by_position(self, name: str | None = None) -> dict[int, nn.Module]:
         """Adapters keyed by pruned position; adjacent ones merged exactly when ``cfg.merge``."""
         return self.correction(name).adapters
+
+    def span_reports(self) -> list[dict]:
+        """Per span: blocks, what each solver put there, held-out span errors, the guard's judgement."""
+        out = []
+        for sp in self.spans:
+            rep = self.reports[sp.key]
+            out.append({"index": sp.index, "blocks": sp.blocks,
+                        "maps": {n: self.span_map(n, sp).source for n in self.requested},
+                        **{k: rep[k] for k in ("span_errors", "guard") if k in rep}})
+        return out
 
     def site_reports(self) -> list[dict]:
         """Per site: blocks and its report (what ``calibration_report.json`` lists)."""

@@ -21,6 +21,7 @@ every token is scored (without BOS the very first token of the stream has no con
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -92,26 +93,32 @@ def build_windows(tokenizer, texts: list[str], seq_len: int, stride: int | None,
 
 
 @torch.no_grad()
-def window_nll(model: nn.Module, windows: list[Window], batch_size: int = 4) -> tuple[float, int]:
-    """``(Σ −log p, #tokens)`` over the scored tokens of ``windows``; equal-length windows are batched."""
+def window_nll(model: nn.Module, windows: list[Window], batch_size: int = 4,
+               on_logits: Callable[[int, torch.Tensor], None] | None = None) -> tuple[float, int]:
+    """``(Σ −log p, #tokens)`` over the scored tokens of ``windows``; equal-length windows are batched.
+
+    ``on_logits(i, logits)`` (optional) receives, for window ``i`` of the list, the ``(n_scored, V)``
+    logits that predict its scored tokens (closeness to the original is measured on them)."""
     dev = _param_device(model)
     nll, count = 0.0, 0
     keep = _accepts(model, "logits_to_keep")
-    by_len: dict[int, list[Window]] = {}
-    for w in windows:
-        by_len.setdefault(len(w.input_ids), []).append(w)
+    by_len: dict[int, list[tuple[int, Window]]] = {}
+    for i, w in enumerate(windows):
+        by_len.setdefault(len(w.input_ids), []).append((i, w))
     for group in by_len.values():
         for s in range(0, len(group), batch_size):
             chunk = group[s:s + batch_size]
-            ids = torch.tensor([w.input_ids for w in chunk], device=dev)  # (B, T)
-            k = max(w.n_scored for w in chunk)
+            ids = torch.tensor([w.input_ids for _, w in chunk], device=dev)  # (B, T)
+            k = max(w.n_scored for _, w in chunk)
             kw = {"logits_to_keep": k + 1} if keep else {}
             logits = model(input_ids=ids, use_cache=False, **kw).logits  # (B, k+1 or T, V)
-            for b, w in enumerate(chunk):
+            for b, (i, w) in enumerate(chunk):
                 n = w.n_scored  # logits[-n-1:-1] predict the last n tokens
                 row_nll, _ = token_nll(logits[b:b + 1, -n - 1:], ids[b:b + 1, -n - 1:])
                 nll += float(row_nll.sum())
                 count += n
+                if on_logits is not None:
+                    on_logits(i, logits[b, -n - 1:-1])
     return nll, count
 
 

@@ -28,6 +28,7 @@ from ..arch import base_model
 from ..data import RankShard, check_seq_len
 from ..errors import ConfigError
 from ..passes import DataPass, sum_across_ranks
+from . import fidelity as F
 from . import perplexity as P
 from . import scoring as S
 from .tasks import TASKS, Doc, load_docs, parse_tasks
@@ -80,6 +81,14 @@ class EvalConfig:
     """BOS at each window start: ``auto`` (tokenizer adds one, or Gemma), ``true``, ``false``."""
     progress: bool = True
     """Show progress bars (rank 0 only)."""
+    kl: bool = True
+    """Closeness to the original: next-token KL(original ‖ model) and top-1 agreement on every
+    perplexity set and on the tasks' prompts, against the original's distributions recorded once
+    (:meth:`Evaluator.record_reference`; the entry points record them from the unpruned model)."""
+    kl_docs: int = 50
+    """With ``kl``: docs per task whose prompts (contexts, no answers) are compared (0: none)."""
+    kl_topk: int = 64
+    """With ``kl``: the original's most likely tokens kept per position (the rest is one bucket)."""
 
 
 def _bool_opt(v: str) -> bool | None:
@@ -118,6 +127,8 @@ class Unit:
     kind: str
     name: str
     items: list = field(default_factory=list)
+    start: int = 0
+    """Index of the first item in its set (perplexity windows, prompt windows)."""
 
 
 class Evaluator:
@@ -141,6 +152,15 @@ class Evaluator:
             for name in self.ppl_names
         }
         self.ppl_bos = wants_bos_ppl
+        self.prompts: list[F.PromptWindow] = []
+        self.prompt_labels: list[str] = []
+        if cfg.kl and cfg.kl_docs > 0 and self.task_names:
+            self.prompts, self.prompt_labels = F.prompt_windows(
+                {t: td.docs for t, td in self.task_data.items()}, tokenizer, self.add_bos, cfg.kl_docs, cfg.max_length)
+        self.reference: dict[tuple[str, int], "F.TopK"] = {}
+        """The original's top-k distributions per (set, window), recorded on this rank's units."""
+        self.recorded = False
+        self._softcap = None
         # Dense per-doc float64 vectors in the (rank-independent) doc order of task_data.
         self.pos = {t: {d.idx: i for i, d in enumerate(td.docs)} for t, td in self.task_data.items()}
         self.sums: dict[str, dict[str, torch.Tensor]] = {}
@@ -156,11 +176,22 @@ class Evaluator:
             self.sums[t] = {k: torch.zeros(len(td.docs), **f64) for k in keys + ("seen",)}
         for p in self.ppl_names:
             self.sums[f"ppl/{p}"] = {"nll": torch.zeros(1, **f64), "tokens": torch.zeros(1, **f64)}
+        self.fidelity = {name: F.FidelitySums(n, dev) for name, n in self.fidelity_sets().items()}
         self.n_requests = 0
+
+    def fidelity_sets(self) -> dict[str, int]:
+        """Set name -> number of items (windows, or docs for the prompts) of the closeness measure."""
+        if not self.cfg.kl:
+            return {}
+        out = {p: len(w) for p, w in self.ppl_windows.items()}
+        if self.prompts:
+            out[F.TASKS_SET] = len(self.prompt_labels)
+        return out
 
     def state(self) -> list[torch.Tensor]:
         """Every sum, in a fixed order (what is summed across ranks)."""
-        return [v for group in self.sums.values() for v in group.values()]
+        return [v for group in self.sums.values() for v in group.values()] + \
+            [t for f in self.fidelity.values() for t in f.tensors()]
 
     # ---------------------------------------------------------------- units
     def units(self) -> list[Unit]:
@@ -172,16 +203,47 @@ class Evaluator:
             out += [Unit("task", t, docs[i:i + k]) for i in range(0, len(docs), k)]
         for p, wins in self.ppl_windows.items():
             step = max(1, self.cfg.ppl_batch_size)
-            out += [Unit("ppl", p, wins[i:i + step]) for i in range(0, len(wins), step)]
+            out += [Unit("ppl", p, wins[i:i + step], start=i) for i in range(0, len(wins), step)]
+        step = max(1, self.cfg.docs_per_unit)
+        out += [Unit("prompts", F.TASKS_SET, self.prompts[i:i + step], start=i)
+                for i in range(0, len(self.prompts), step)]
         return out
 
 
     # ---------------------------------------------------------------- scoring
-    def score_unit(self, model: nn.Module, unit: Unit) -> None:
+    def _closeness(self, model: nn.Module, name: str, record: bool):
+        """``(i, logits)`` -> record the original's distributions, or add KL / top-1 against them."""
+        if not self.cfg.kl or not (record or self.recorded):
+            return None
+        softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+
+        def on_logits(i: int, logits: torch.Tensor, item: int | None = None) -> None:
+            if record:
+                self.reference[(name, i)] = F.topk_reference(logits, self.cfg.kl_topk, softcap)
+            else:
+                self.fidelity[name].add(i if item is None else item, logits, self.reference[(name, i)], softcap)
+
+        return on_logits
+
+    def score_unit(self, model: nn.Module, unit: Unit, record: bool = False) -> None:
+        """Score ``unit``; with ``record`` (the original model) keep its distributions as the reference
+        instead (task units are then skipped)."""
         if unit.kind == "ppl":
-            nll, n = P.window_nll(model, unit.items, self.cfg.ppl_batch_size)
-            self.sums[f"ppl/{unit.name}"]["nll"] += nll
-            self.sums[f"ppl/{unit.name}"]["tokens"] += n
+            hook = self._closeness(model, unit.name, record)
+            cb = None if hook is None else (lambda i, lg: hook(unit.start + i, lg))
+            nll, n = P.window_nll(model, unit.items, self.cfg.ppl_batch_size, on_logits=cb)
+            if not record:
+                self.sums[f"ppl/{unit.name}"]["nll"] += nll
+                self.sums[f"ppl/{unit.name}"]["tokens"] += n
+            return
+        if unit.kind == "prompts":
+            hook = self._closeness(model, unit.name, record)
+            if hook is not None:
+                pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+                for i, lg in F.prompt_logits(model, unit.items, self.cfg.max_batch_tokens, pad):
+                    hook(unit.start + i, lg, unit.items[i].item)
+            return
+        if record:
             return
         docs: list[Doc] = unit.items
         reqs, spans = [], []
@@ -210,10 +272,11 @@ class Evaluator:
             sums["seen"][i] += 1.0
 
     # ---------------------------------------------------------------- results
-    def compute(self) -> dict:
-        """Results from the (already summed across ranks) per-doc vectors."""
+    def compute(self, tasks: bool = True) -> dict:
+        """Results from the (already summed across ranks) per-doc vectors (``tasks=False``: the
+        perplexity and closeness sets only, when the task units were not run)."""
         res: dict[str, Any] = {"tasks": {}, "perplexity": {}}
-        for t in self.task_names:
+        for t in (self.task_names if tasks else []):
             task, td, sums = TASKS[t], self.task_data[t], self.sums[t]
             seen = sums["seen"].cpu()
             if not bool((seen == 1).all()):
@@ -238,6 +301,10 @@ class Evaluator:
                                     "windows": len(self.ppl_windows[p]), "seq_len": self.cfg.ppl_seq_len,
                                     "stride": self.cfg.ppl_stride or self.cfg.ppl_seq_len - 1,
                                     "bos": self.ppl_bos}
+        if self.cfg.kl and self.recorded:
+            res["fidelity"] = {name: F.summarize(f) for name, f in self.fidelity.items()}
+            res["kl"] = {name: e["kl"] for name, e in res["fidelity"].items()}
+            res["top1"] = {name: e["top1"] for name, e in res["fidelity"].items()}
         mc = [e["value"] for t, e in res["tasks"].items() if TASKS[t].output_type == "multiple_choice"]
         res["average"] = sum(mc) / len(mc) if mc else None
         res["bos_added"] = S.bos_added(self.tok, self.add_bos)
@@ -291,21 +358,44 @@ def run_units(model: nn.Module, ev: Evaluator, units: list[Unit], progress: bool
         model.train(was_training)
 
 
-def evaluate_model(model: nn.Module, tokenizer, cfg: EvalConfig | None = None, evaluator: Evaluator | None = None) -> dict:
+def record_reference(model: nn.Module, evaluator: Evaluator) -> None:
+    """Record ``model``'s (the original's) next-token distributions on the closeness sets as the
+    reference of every later evaluation with ``evaluator`` (``EvalConfig.kl``). Under
+    ``torch.distributed`` every rank records the units it will score."""
+    if not evaluator.cfg.kl:
+        return
+    units = evaluator.units()
+    mine = [units[i] for i in RankShard(len(units), dist.rank(), dist.world_size())]
+    was_training = model.training
+    model.eval()
+    try:
+        for u in mine:
+            if u.kind != "task":
+                evaluator.score_unit(model, u, record=True)
+    finally:
+        model.train(was_training)
+    evaluator.recorded = True
+
+
+def evaluate_model(model: nn.Module, tokenizer, cfg: EvalConfig | None = None, evaluator: Evaluator | None = None,
+                   tasks: bool = True) -> dict:
     """Evaluate an in-memory (original, pruned, corrected or LoRA-wrapped) model.
 
     Under ``torch.distributed`` every rank must call it; each scores units ``rank::world`` and all
     get the same synced result. Returns the results dict (see :meth:`Evaluator.compute`).
+    ``tasks=False``: perplexity and closeness only (the zero-shot units are skipped).
     """
     cfg = cfg or EvalConfig()
     ev = evaluator or make_evaluator(model, tokenizer, cfg)
     ev.reset(S._param_device(model))
     units = ev.units()
     mine = [units[i] for i in RankShard(len(units), dist.rank(), dist.world_size())]
+    if not tasks:
+        mine = [u for u in mine if u.kind != "task"]
     t0 = time.time()
     run_units(model, ev, mine, cfg.progress and dist.rank() == 0)
     sum_across_ranks(ev.state())
-    out = ev.compute()
+    out = ev.compute(tasks=tasks)
     out["seconds"] = time.time() - t0
     out["world_size"] = dist.world_size()
     return out
@@ -326,11 +416,24 @@ class EvalModule(DataPass):
         self.evaluator = make_evaluator(model, tokenizer, cfg)
         self.results: dict | None = None
         self._t0 = 0.0
+        self._record = False
 
     def evaluate(self, trainer) -> dict:
         """Score every unit once over all ranks; returns (and keeps) the results."""
         self.run(trainer, self.evaluator.units(), batch_size=None)
         return self.results
+
+    def record_reference(self, trainer) -> None:
+        """Record the (original) model's distributions as the closeness reference (``cfg.kl``): the
+        same units on the same ranks as every later :meth:`evaluate`."""
+        if not self.cfg.kl:
+            return
+        stage, self.stage, self._record = self.stage, "closeness reference (original model)", True
+        try:
+            self.run(trainer, self.evaluator.units(), batch_size=None)
+        finally:
+            self.stage, self._record = stage, False
+        self.evaluator.recorded = True
 
     def begin(self) -> None:
         self.evaluator.reset(self.device)
@@ -338,12 +441,14 @@ class EvalModule(DataPass):
         self._t0 = time.time()
 
     def step(self, unit: Unit, batch_idx: int) -> None:
-        self.evaluator.score_unit(self.model, unit)
+        self.evaluator.score_unit(self.model, unit, record=self._record)
 
     def state(self) -> list[torch.Tensor]:
         return self.evaluator.state()
 
     def finish(self) -> None:
+        if self._record:
+            return
         self.results = self.evaluator.compute()
         self.results["seconds"] = time.time() - self._t0
         self.results["world_size"] = self.trainer.world_size
@@ -366,4 +471,9 @@ def markdown_table(res: dict) -> str:
         out += "\n\n| perplexity set | PPL | tokens | windows | seq_len | stride | BOS |\n|---|---|---|---|---|---|---|\n"
         out += "\n".join(f"| {p} | {e['ppl']:.3f} | {e['tokens']} | {e['windows']} | {e['seq_len']} | "
                          f"{e['stride']} | {e['bos']} |" for p, e in res["perplexity"].items())
+    if res.get("fidelity"):
+        out += "\n\n| closeness set | KL(original ‖ model), nats/position | top-1 agreement | positions | items |\n" \
+               "|---|---|---|---|---|\n"
+        out += "\n".join(f"| {p} | {e['kl']:.4f} [{e['kl_ci'][0]:.4f}, {e['kl_ci'][1]:.4f}] | "
+                         f"{100 * e['top1']:.2f} % | {e['positions']} | {e['items']} |" for p, e in res["fidelity"].items())
     return out + "\n"

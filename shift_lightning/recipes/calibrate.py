@@ -30,7 +30,8 @@ from ..outputs import prepare_output, publish_dir
 from ..progress import with_stage_progress
 from ..selection import select_blocks
 from ..calibration import pruned_positions
-from ..surgery import apply_correction, load_pretrained, remove_blocks, save_adapters, save_pretrained
+from ..checkpoint import load_pretrained, save_adapters, save_pretrained
+from ..surgery import apply_correction, remove_blocks
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +147,11 @@ def run_calibration(
     t_sel = time.time()
     do_eval = evaluate is not None and bool(evaluate.tasks or evaluate.ppl)
     evals: dict[str, dict] = {}
+    scorer = ModelEvaluation(lm, tok, evaluate, make_trainer) if do_eval else None
+    if do_eval:  # the original's distributions first: closeness of every later evaluation to it
+        scorer.record_reference()
     if do_eval and evaluate_baselines:
-        evals["original"] = _evaluate(lm, tok, evaluate, make_trainer, "original")
+        evals["original"] = scorer("original")
 
     params_before = num_params(lm)
     module = CalibrationModule(lm, selection.layers, calibration)
@@ -160,11 +164,11 @@ def run_calibration(
     remove_blocks(lm, selection.layers)
     t_cal = time.time()
     if do_eval and evaluate_baselines:
-        evals["pruned"] = _evaluate(lm, tok, evaluate, make_trainer, "pruned")
+        evals["pruned"] = scorer("pruned")
     apply_correction(lm, correction, n_layers, selection.layers)
     if do_eval:
         label = f"pruned+{calibration.solver}"
-        evals[label] = _evaluate(lm, tok, evaluate, make_trainer, label)
+        evals[label] = scorer(label)
 
     report = {
         "model": model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny},
@@ -181,6 +185,7 @@ def run_calibration(
         "heldout_tokens": held.num_tokens if held is not None else 0,
         "world_size": dist.world_size(),
         "sites": module.site_reports(),
+        "spans": module.span_reports(),
         "adapters": _adapter_table(n_layers, selection.layers, adapters),
         "branch_maps": sorted(correction.branch_maps),
         "notes": correction.notes,
@@ -214,13 +219,22 @@ def run_calibration(
     return CalibrationResult(report, lm, tok, Path(output_dir) if output_dir else None)
 
 
-def _evaluate(model, tokenizer, cfg, make_trainer, label: str) -> dict:
-    """Zero-shot / perplexity evaluation of an in-memory model through ``trainer.predict``."""
-    from ..evaluation.runner import EvalModule
+class ModelEvaluation:
+    """Zero-shot / perplexity / closeness evaluations of one in-memory model as it is pruned and
+    corrected in place, through ``trainer.predict`` (1 or N processes); docs and windows are loaded
+    once, the original's distributions recorded once (:meth:`record_reference`)."""
 
-    module = EvalModule(model, tokenizer, cfg)
-    module.stage = f"evaluation ({label} model)"
-    return module.evaluate(make_trainer())
+    def __init__(self, model, tokenizer, cfg, make_trainer):
+        from ..evaluation.runner import EvalModule
+
+        self.module, self.make_trainer = EvalModule(model, tokenizer, cfg), make_trainer
+
+    def record_reference(self) -> None:
+        self.module.record_reference(self.make_trainer())
+
+    def __call__(self, label: str) -> dict:
+        self.module.stage = f"evaluation ({label} model)"
+        return self.module.evaluate(self.make_trainer())
 
 
 def _adapter_table(n_layers: int, removed: list[int], adapters: dict) -> list[dict]:
@@ -265,4 +279,12 @@ def evaluation_table(evals: dict[str, dict]) -> list[str]:
         first = next(e["perplexity"][p] for e in evals.values() if p in e.get("perplexity", {}))
         vals = [f"{e['perplexity'][p]['ppl']:.4g}" if p in e.get("perplexity", {}) else "" for e in evals.values()]
         rows.append(f"| PPL {p} ({first['tokens']} tokens) | " + " | ".join(vals) + " |")
+    sets = sorted({k for e in evals.values() for k in e.get("kl", {})})
+    for k in sets:
+        f = next(e["fidelity"][k] for e in evals.values() if k in e.get("kl", {}))
+        rows.append(f"| KL(original ‖ model) {k} ({f['positions']} positions) | "
+                    + " | ".join(f"{e['kl'][k]:.4f}" if k in e.get("kl", {}) else "" for e in evals.values()) + " |")
+        rows.append(f"| top-1 agreement {k} | "
+                    + " | ".join(f"{100 * e['top1'][k]:.2f}" if k in e.get("top1", {}) else "" for e in evals.values())
+                    + " |")
     return rows

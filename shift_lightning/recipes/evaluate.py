@@ -14,7 +14,7 @@ from ..evaluation.tasks import parse_tasks
 from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
 from ..progress import with_stage_progress
-from ..surgery import load_pretrained
+from ..checkpoint import load_pretrained
 
 #: Trainer defaults for evaluation runs (``--trainer.*`` overrides them).
 EVAL_TRAINER_DEFAULTS: dict[str, Any] = dict(

@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.strategies import FSDPStrategy
+from torch import nn
 
 from .. import dist
 from ..arch import decoder_layers
@@ -32,7 +33,7 @@ from ..evaluation.runner import EvalConfig
 from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
 from ..recovery import RecoveryConfig, RecoveryData, RecoveryModule
-from ..surgery import is_shift_folder, load_pretrained, read_shift_config
+from ..checkpoint import is_shift_folder, load_pretrained, read_shift_config
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +63,35 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
     return out.with_name(out.name + ".ckpt")
 
 
+def base_model_config(spec: dict) -> ModelConfig | None:
+    """The unpruned model a saved folder's record names (``None`` when it names none)."""
+    base = spec.get("base_model")
+    if isinstance(base, dict):
+        return ModelConfig(tiny=base["tiny"]) if set(base) == {"tiny"} else ModelConfig(**base)
+    return ModelConfig(name_or_path=base) if isinstance(base, str) else None
+
+
 def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, output_dir: str | None,
-                      overwrite: bool, resolved_config: str | None):
+                      overwrite: bool, resolved_config: str | None, on_original=None):
     """``(model, tokenizer, spec)``: a calibrated folder as given, the job's own earlier calibration,
-    or a fresh calibration on ``trainer`` written to ``<output_dir>.calibration``."""
+    or a fresh calibration on ``trainer`` written to ``<output_dir>.calibration``. ``on_original(model,
+    tokenizer)`` sees the unpruned model first (the closeness reference is recorded from it)."""
     from .calibrate import run_calibration
+
+    def original_of(spec: dict) -> None:
+        base = base_model_config(spec)
+        if on_original is None or base is None:
+            return
+        try:
+            on_original(*load_pretrained(base))
+        except Exception as e:  # the base model is gone or unreachable: train without val/kl
+            log.warning("Could not load the base model %s (%s): no val/kl", base.name_or_path, e)
 
     if model_cfg.tiny is None and is_shift_folder(model_cfg.name_or_path):
         lm, tok = load_pretrained(model_cfg)
-        spec = read_shift_config(model_cfg.name_or_path)
+        spec = read_shift_config(model_cfg.name_or_path).to_dict()
         log.info("Recovering the calibrated model in %s (no calibration)", model_cfg.name_or_path)
+        original_of(spec)
         return lm, tok, spec
     key = {"model": asdict(model_cfg), **{k: asdict(v) for k, v in calib.items()}}
     cdir = calibration_dir(output_dir) if output_dir else None
@@ -80,14 +100,19 @@ def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, o
         if done == json.loads(json.dumps(key)):
             log.info("Reusing the calibration in %s (same model, data, pruning and calibration settings)", cdir)
             lm, tok = load_pretrained(cdir)
-            return lm, tok, read_shift_config(cdir)
+            spec = read_shift_config(cdir).to_dict()
+            original_of(spec)
+            return lm, tok, spec
         if not overwrite:
             raise ConfigError(f"{cdir} holds a calibration with other settings; pass --overwrite to redo it or "
                               "choose another --output_dir")
+    built = load_pretrained(model_cfg)
+    if on_original is not None:
+        on_original(*built)
     result = run_calibration(model=model_cfg, data=calib["data"], heldout=calib["heldout"], prune=calib["prune"],
                              calibration=calib["calibration"], trainer=trainer, output_dir=str(cdir) if cdir else None,
                              overwrite=True, save_model="adapters", resolved_config=resolved_config,
-                             extra_files={"calibration_key.json": key})
+                             extra_files={"calibration_key.json": key}, built=built)
     spec = {"original_num_layers": result.report["original_num_layers"],
             "pruned_layers": result.report["pruned_layers"], "criterion": result.report["selection"]["criterion"],
             "correction": calib["calibration"].solver}
@@ -109,22 +134,35 @@ def run_training(
     ckpt_path: str | None = None,
     built: tuple | None = None,
     resolved_config: str | None = None,
+    reference: nn.Module | None = None,
 ) -> RecoveryResult:
     """The whole job (see the module docstring). ``trainer`` comes built (``--trainer.*``: devices,
     strategy, precision, max_steps, logger, callbacks); ``built=(model, tokenizer, spec)`` injects an
-    already corrected model (tests, notebooks)."""
+    already corrected model (tests, notebooks), ``reference`` its unpruned original (``val/kl``)."""
     model_cfg = model or ModelConfig()
     recovery = recovery or RecoveryConfig()
     train_data = train_data or TextDataConfig(num_samples=256, seed=1)
     if dist.launch_rank() == 0 and ckpt_path is None:
         prepare_output(output_dir, overwrite)
     t0 = time.time()
+    closeness: dict = {}
+
+    def record(original, tokenizer):  # the original's distributions on the validation windows (val/kl)
+        if recovery.val_kl and val is not None and val.num_samples > 0:
+            from ..fidelity import window_references
+
+            w = build_windows(val, tokenizer, original.config.model_type)
+            closeness["ref"] = window_references(original, w.input_ids, w.attention_mask, recovery.val_kl_topk,
+                                                 val.batch_size)
+
     if built is not None:
         lm, tok, spec = built
+        if reference is not None:
+            record(reference, tok)
     else:
         calib = {"data": data or TextDataConfig(), "heldout": heldout or TextDataConfig(split="heldout", num_samples=16),
                  "prune": prune or PruneConfig(), "calibration": calibration or CalibrationConfig()}
-        lm, tok, spec = _calibrated_model(trainer, model_cfg, calib, output_dir, overwrite, resolved_config)
+        lm, tok, spec = _calibrated_model(trainer, model_cfg, calib, output_dir, overwrite, resolved_config, record)
     spec = {k: v for k, v in spec.items() if k not in ("adapters", "format_version", "weights", "base_model",
                                                        "branch_maps")}
     spec.setdefault("original_num_layers", len(decoder_layers(lm)))
@@ -133,7 +171,8 @@ def run_training(
     mtype = lm.config.model_type
     train_w = build_windows(train_data, tok, mtype)
     val_w = build_windows(val, tok, mtype) if val is not None and val.num_samples > 0 else None
-    module = RecoveryModule(lm, recovery, spec.get("pruned_layers"), spec.get("original_num_layers"), tokenizer=tok)
+    module = RecoveryModule(lm, recovery, spec.get("pruned_layers"), spec.get("original_num_layers"), tokenizer=tok,
+                            reference=closeness.get("ref"))
     n_train = sum(p.numel() for p in module.parameters() if p.requires_grad)
     dm = RecoveryData(train_w, val_w, batch_size=train_data.batch_size, seed=recovery.seed)
     before = {}

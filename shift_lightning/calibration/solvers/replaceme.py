@@ -66,7 +66,7 @@ def cosine_fit(m: torch.Tensor, y: torch.Tensor, epochs: int = 10, lr: float = 1
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                total, steps = total + float(loss), steps + 1
+                total, steps = total + float(loss.detach()), steps + 1
             history.append(total / max(steps, 1))
     return lin.weight.detach().T.double(), history
 

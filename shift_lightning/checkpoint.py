@@ -1,0 +1,346 @@
+"""The on-disk format of a pruned + corrected model: save, load, cross-check. One public loader.
+
+Layout of a folder written by :func:`save_pretrained`::
+
+    out/config.json, model.safetensors, tokenizer files   the pruned HF model (no adapter weights)
+    out/lra.safetensors                                   adapter weights, keys "<position>.<param>";
+                                                          ReplaceMe maps on a post-MLP norm "branch.<block>.weight"
+    out/shift_config.json                                 a :class:`ShiftSpec`: what was pruned, where maps sit
+
+An *adapter-only* folder (:func:`save_adapters`, ``weights: adapters``) names its base model instead
+of copying it; :func:`load_pretrained` rebuilds the pruned model from the base.
+
+:func:`load_pretrained` is the one public loader: a saved folder (checked before any weight is
+read: the record must be well formed, agree with ``config.json``, list exactly the adapters the
+weights hold, and every weight must be finite), or, unpruned, anything
+:func:`shift_lightning.models.load_model` reads (HF id or folder, ``.gguf``, an embedded name, a
+tiny random config). Nothing is unpickled or executed (safetensors + JSON, no remote code).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .arch import decoder_layers
+from .lra import AdapterSpec, LinearResidualAdapter
+from .peers import fold_replaceme
+from .surgery import SurgeryError, adapter_set, attach_adapters, branch_maps, remove_blocks
+
+SHIFT_CONFIG = "shift_config.json"
+LRA_WEIGHTS = "lra.safetensors"
+FORMAT_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------
+# The record
+# --------------------------------------------------------------------------------------------
+@dataclass
+class ShiftSpec:
+    """``shift_config.json``: what was pruned and how it was corrected (validated in :meth:`from_dict`)."""
+
+    original_num_layers: int
+    """Depth of the unpruned model."""
+    pruned_layers: list[int]
+    """Original indices of the removed blocks."""
+    base_model: Any = None
+    """The unpruned model: its name (full folders) or its ``ModelConfig`` fields (adapter-only folders)."""
+    criterion: str | None = None
+    """How the blocks were chosen."""
+    correction: str | None = None
+    """The calibration solver that fitted the maps (``lra``, ``guarded``, …) or ``none``."""
+    adapters: list[dict] = field(default_factory=list)
+    """``{"position": p, "chain": [AdapterSpec dicts]}``: the adapter entering pruned block ``p``."""
+    branch_maps: list[dict] = field(default_factory=list)
+    """``{"block": i, "after": "post_feedforward_layernorm" | "down_proj"}``: ReplaceMe maps by pruned block."""
+    weights: Literal["full", "adapters"] = "full"
+    """``adapters``: the folder holds no model weights (the base model is rebuilt)."""
+    recovered: bool | None = None
+    recovery_steps: int | None = None
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)
+    """Anything else the writer recorded."""
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        if out["weights"] == "full":
+            del out["weights"]
+        return {**self.extra, **{k: v for k, v in out.items() if v is not None}}
+
+    @classmethod
+    def from_dict(cls, doc: dict, source: str | Path = SHIFT_CONFIG) -> "ShiftSpec":
+        """Validated record; :class:`~shift_lightning.surgery.SurgeryError` names ``source`` otherwise."""
+        if not isinstance(doc, dict):
+            raise SurgeryError(f"{source} must hold a JSON object")
+        if doc.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
+            raise SurgeryError(f"{source}: unsupported format_version {doc.get('format_version')!r} "
+                               f"(expected {FORMAT_VERSION})")
+        n, pruned = doc.get("original_num_layers"), doc.get("pruned_layers")
+        if not isinstance(n, int) or n < 1 or not isinstance(pruned, list) \
+                or not all(isinstance(i, int) and 0 <= i < n for i in pruned) or len(set(pruned)) != len(pruned):
+            raise SurgeryError(f"{source}: original_num_layers / pruned_layers are missing or inconsistent "
+                               f"({n!r}, {pruned!r})")
+        adapters = doc.get("adapters", [])
+        if not isinstance(adapters, list) or not all(isinstance(a, dict) and isinstance(a.get("position"), int)
+                                                     and isinstance(a.get("chain"), list) and a["chain"]
+                                                     for a in adapters):
+            raise SurgeryError(f"{source}: 'adapters' must be a list of {{position, chain}} entries")
+        positions = [a["position"] for a in adapters]
+        if len(set(positions)) != len(positions):
+            raise SurgeryError(f"{source}: duplicate adapter positions {sorted(positions)}")
+        branches = doc.get("branch_maps", [])
+        if not isinstance(branches, list) or not all(isinstance(b, dict) and isinstance(b.get("block"), int)
+                                                     for b in branches):
+            raise SurgeryError(f"{source}: 'branch_maps' must be a list of {{block, after}} entries")
+        weights = doc.get("weights", "full")
+        if weights not in ("full", "adapters"):
+            raise SurgeryError(f"{source}: 'weights' must be 'full' or 'adapters', got {weights!r}")
+        if weights == "adapters" and not isinstance(doc.get("base_model"), dict):
+            raise SurgeryError(f"{source}: an adapter-only folder must name its base_model")
+        known = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: doc[k] for k in known if k in doc},
+                   extra={k: v for k, v in doc.items() if k not in known})
+
+    @property
+    def num_layers(self) -> int:
+        """Depth of the pruned model."""
+        return self.original_num_layers - len(self.pruned_layers)
+
+
+def _adapter_entries(model: nn.Module) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    entries, tensors = [], {}
+    container = adapter_set(model)
+    if container is not None:
+        for key, mod in container.sites.items():
+            chain = list(mod) if isinstance(mod, nn.Sequential) else [mod]
+            entries.append({"position": int(key), "chain": [a.spec.to_dict() for a in chain]})
+            for name, t in mod.state_dict().items():
+                tensors[f"{key}.{name}"] = t.detach().contiguous().cpu()
+    return entries, tensors
+
+
+def _as_spec(spec: ShiftSpec | dict) -> ShiftSpec:
+    return spec if isinstance(spec, ShiftSpec) else ShiftSpec.from_dict(dict(spec), "the spec to save")
+
+
+# --------------------------------------------------------------------------------------------
+# Save
+# --------------------------------------------------------------------------------------------
+def save_pretrained(model: nn.Module, tokenizer, out_dir: str | Path, spec: ShiftSpec | dict) -> Path:
+    """Write the pruned HF model, the adapter weights and ``shift_config.json`` into ``out_dir``
+    (``spec``: at least ``original_num_layers`` and ``pruned_layers``; adapters are filled in here)."""
+    from safetensors.torch import save_file
+
+    spec = _as_spec(spec)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prefix = "model.shift_adapters."
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith(prefix)}
+    entries, tensors = _adapter_entries(model)
+    branches = branch_maps(model)
+    for i, bm in branches.items():  # the HF folder keeps the plain norm; the map goes to lra.safetensors
+        key = f"model.layers.{i}.post_feedforward_layernorm."
+        for name in list(state):
+            if name.startswith(key + "norm."):
+                state[key + name[len(key + "norm."):]] = state.pop(name)
+            elif name.startswith(key + "map."):
+                state.pop(name)
+        tensors[f"branch.{i}.weight"] = bm.map.weight.detach().contiguous().cpu()
+    model.save_pretrained(out, state_dict=state)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    save_file(tensors, str(out / LRA_WEIGHTS), metadata={"format": "pt"})
+    spec.adapters, spec.weights = entries, "full"
+    spec.branch_maps = [{"block": i, "after": "post_feedforward_layernorm"} for i in sorted(branches)]
+    (out / SHIFT_CONFIG).write_text(json.dumps(spec.to_dict(), indent=2))
+    return out
+
+
+def save_adapters(model: nn.Module, tokenizer, out_dir: str | Path, spec: ShiftSpec | dict, base_model: dict,
+                  maps: dict[int, torch.Tensor] | None = None) -> Path:
+    """Write an *adapter-only* folder: ``shift_config.json`` (with the base model's
+    :class:`~shift_lightning.models.ModelConfig` as ``base_model``), ``lra.safetensors`` and the
+    tokenizer, but no model weights; ``maps``: ReplaceMe's ``T`` by pruned block index.
+    Megabytes instead of the model's gigabytes."""
+    from safetensors.torch import save_file
+
+    spec = _as_spec(spec)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    entries, tensors = _adapter_entries(model)
+    blocks = decoder_layers(model)
+    spec.branch_maps = []
+    for i, T in sorted((maps or {}).items()):
+        tensors[f"branch.{i}.weight"] = T.T.detach().to(torch.float32).contiguous().cpu()
+        after = "post_feedforward_layernorm" if hasattr(blocks[i], "post_feedforward_layernorm") else "down_proj"
+        spec.branch_maps.append({"block": i, "after": after})
+    save_file(tensors, str(out / LRA_WEIGHTS), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    spec.adapters, spec.weights, spec.base_model = entries, "adapters", base_model
+    (out / SHIFT_CONFIG).write_text(json.dumps(spec.to_dict(), indent=2))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Load
+# --------------------------------------------------------------------------------------------
+def is_shift_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a folder written by :func:`save_pretrained` / :func:`save_adapters`."""
+    return (Path(path).expanduser() / SHIFT_CONFIG).is_file()
+
+
+def read_json(file: Path) -> dict:
+    try:
+        doc = json.loads(file.read_text())
+    except UnicodeDecodeError as e:
+        raise SurgeryError(f"{file} is not UTF-8 text ({e.reason}); the folder is damaged") from e
+    except json.JSONDecodeError as e:
+        raise SurgeryError(f"{file} is malformed JSON ({e.msg} at line {e.lineno}); the folder is damaged") from e
+    if not isinstance(doc, dict):
+        raise SurgeryError(f"{file} must hold a JSON object")
+    return doc
+
+
+def read_shift_config(path: str | Path) -> ShiftSpec:
+    """The validated :class:`ShiftSpec` of a saved folder."""
+    file = Path(path).expanduser() / SHIFT_CONFIG
+    return ShiftSpec.from_dict(read_json(file), file)
+
+
+def _rebuild_from_base(path: Path, spec: ShiftSpec, dtype):
+    """The pruned model of an adapter-only folder: base model, blocks removed (adapters come after)."""
+    from transformers import AutoTokenizer
+
+    from .models import ModelConfig, load_model
+
+    try:
+        base = ModelConfig(**spec.base_model)
+    except TypeError as e:
+        raise SurgeryError(f"{path / SHIFT_CONFIG}: bad base_model {spec.base_model!r}: {e}") from e
+    if dtype is not None:
+        base = ModelConfig(**{**base.__dict__, "dtype": str(dtype).replace("torch.", "")})
+    model, tok = load_model(base)
+    n = len(decoder_layers(model))
+    if n != spec.original_num_layers:
+        raise SurgeryError(f"{path / SHIFT_CONFIG}: the base model {base.name_or_path!r} has {n} blocks, the record "
+                           f"says {spec.original_num_layers}")
+    dim = model.config.hidden_size
+    for a in spec.adapters:
+        if any(not isinstance(sp, dict) or sp.get("dim") != dim for sp in a["chain"]):
+            raise SurgeryError(f"{path / SHIFT_CONFIG}: adapter at position {a['position']} does not match the base "
+                               f"model's hidden size {dim}")
+    remove_blocks(model, spec.pruned_layers)
+    if (path / "tokenizer_config.json").exists():
+        tok = AutoTokenizer.from_pretrained(path)
+    return model, tok
+
+
+def _check_against_config(path: Path, spec: ShiftSpec) -> None:
+    cfg = read_json(path / "config.json")
+    depth = cfg.get("num_hidden_layers", cfg.get("text_config", {}).get("num_hidden_layers"))
+    dim = cfg.get("hidden_size", cfg.get("text_config", {}).get("hidden_size"))
+    if depth != spec.num_layers:
+        raise SurgeryError(f"{path / 'config.json'}: num_hidden_layers is {depth}, but {SHIFT_CONFIG} records "
+                           f"{spec.original_num_layers} blocks minus {len(spec.pruned_layers)} pruned = {spec.num_layers}")
+    for a in spec.adapters:
+        if not 0 <= a["position"] <= spec.num_layers:
+            raise SurgeryError(f"{path / SHIFT_CONFIG}: adapter position {a['position']} outside 0..{spec.num_layers}")
+        for s in a["chain"]:
+            if not isinstance(s, dict) or s.get("dim") != dim:
+                raise SurgeryError(f"{path / SHIFT_CONFIG}: adapter at position {a['position']} has dim "
+                                   f"{s.get('dim') if isinstance(s, dict) else s!r}, the model's hidden size is {dim}")
+
+
+def load_pretrained(source, dtype: str | torch.dtype | None = None, device=None):
+    """Load ``(model, tokenizer)``: a saved folder with its adapters in place (see the module doc),
+    or, unpruned, anything :func:`~shift_lightning.models.load_model` accepts (an HF id or folder, a
+    ``.gguf``, an embedded name such as ``smollm2-135m``, or a ``ModelConfig``)."""
+    from .models import ModelConfig, load_model
+
+    cfg = source if isinstance(source, ModelConfig) else ModelConfig(name_or_path=str(source))
+    if cfg.tiny is not None or not is_shift_folder(cfg.name_or_path):
+        if dtype is not None:
+            cfg = ModelConfig(**{**cfg.__dict__, "dtype": str(dtype).replace("torch.", "")})
+        model, tok = load_model(cfg)
+        return (model.to(device) if device is not None else model), tok
+    if dtype is None and isinstance(source, ModelConfig):
+        dtype = cfg.dtype
+    return _load_shift_folder(Path(cfg.name_or_path).expanduser(), dtype, device)
+
+
+def _read_weights(path: Path, spec: ShiftSpec) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    wfile = path / LRA_WEIGHTS
+    listed = {str(a["position"]) for a in spec.adapters}
+    try:
+        with safe_open(str(wfile), framework="pt") as f:
+            keys = list(f.keys())
+            held = {k.split(".", 1)[0] for k in keys if not k.startswith("branch.")}
+            held_branches = {int(k.split(".")[1]) for k in keys if k.startswith("branch.")}
+            if held_branches != {b["block"] for b in spec.branch_maps}:
+                raise SurgeryError(f"{wfile} holds MLP-branch maps for blocks {sorted(held_branches)} but "
+                                   f"{SHIFT_CONFIG} lists {sorted(b['block'] for b in spec.branch_maps)}")
+            if held != listed:
+                raise SurgeryError(
+                    f"{wfile} holds adapters at positions {sorted(held, key=int)} but {SHIFT_CONFIG} lists "
+                    f"{sorted(listed, key=int)}: refusing to load a model whose corrections do not match its record")
+            weights = {k: f.get_tensor(k) for k in keys}
+    except SurgeryError:
+        raise
+    except Exception as e:  # missing or truncated safetensors
+        raise SurgeryError(f"Cannot read {wfile}: {e}") from e
+    bad = [k for k, t in weights.items() if not torch.isfinite(t).all()]
+    if bad:
+        raise SurgeryError(f"{wfile}: non-finite adapter weights in {bad[:3]}; the folder is damaged")
+    return weights
+
+
+def _load_shift_folder(path: Path, dtype, device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = read_shift_config(path)
+    adapter_only = spec.weights == "adapters"
+    if not adapter_only:
+        _check_against_config(path, spec)
+    weights = _read_weights(path, spec)
+    if adapter_only:
+        model, tok = _rebuild_from_base(path, spec, dtype)
+    else:
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+    pdtype = next(model.parameters()).dtype
+    adapters = {}
+    for entry in spec.adapters:
+        try:
+            chain = [LinearResidualAdapter(AdapterSpec(**s), dtype=pdtype) for s in entry["chain"]]
+        except (TypeError, ValueError) as e:
+            raise SurgeryError(f"{path / SHIFT_CONFIG}: bad adapter spec at position {entry['position']}: {e}") from e
+        mod = chain[0] if len(chain) == 1 else nn.Sequential(*chain)
+        key = str(entry["position"])
+        sd = {k[len(key) + 1:]: v for k, v in weights.items() if k.startswith(key + ".")}
+        try:
+            mod.load_state_dict(sd, strict=True)
+        except RuntimeError as e:
+            raise SurgeryError(f"{path / LRA_WEIGHTS}: adapter at position {key} does not match its spec: {e}") from e
+        adapters[entry["position"]] = mod
+    attach_adapters(model, adapters)
+    blocks = decoder_layers(model)
+    for b in spec.branch_maps:
+        i = b["block"]
+        post_norm = 0 <= i < len(blocks) and hasattr(blocks[i], "post_feedforward_layernorm")
+        if not 0 <= i < len(blocks) or (not post_norm and not adapter_only):
+            raise SurgeryError(f"{path / SHIFT_CONFIG}: MLP-branch map for block {i}, which has no post-MLP norm")
+        fold_replaceme(blocks[i], weights[f"branch.{i}.weight"].to(torch.float64).T)
+    if device is not None:
+        model.to(device)
+    model.eval()
+    return model, tok

@@ -1,0 +1,49 @@
+"""Formatting shared by the grids' tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: Short names of the zero-shot tasks and the text sets in table headers.
+TASK_LABELS = {"arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag": "HellaSwag", "piqa": "PIQA",
+               "winogrande": "WinoG", "boolq": "BoolQ", "openbookqa": "OBQA"}
+SET_LABELS = {"wiki_summaries": "wiki", "lambada": "LAMBADA", "tasks": "tasks"}
+
+
+def set_label(name: str) -> str:
+    """``wiki_summaries`` → ``wiki``; a path → its file stem."""
+    return SET_LABELS.get(name, Path(name).stem)
+
+
+def fmt_ppl(v: float) -> str:
+    return f"{v:.2f}" if v < 1e4 else f"{v:.2e}"
+
+
+def fmt_ci(v, ci, pct: bool = True, digits: int = 1) -> str:
+    """``v [lo, hi]`` (in points when ``pct``); ``–`` when missing."""
+    if v is None or v != v:
+        return "–"
+    k = 100 if pct else 1
+    return f"{k * v:.{digits}f} [{k * ci[0]:.{digits}f}, {k * ci[1]:.{digits}f}]"
+
+
+def fmt_diff(d: dict, key: str) -> str:
+    """``±x [lo, hi]`` with ↑ / ↓ when the 95 % interval lies above / below 0."""
+    v, (lo, hi) = d[f"{key}_diff"], d[f"{key}_diff_ci"]
+    mark = "↑" if lo > 0 else "↓" if hi < 0 else ""
+    return f"{100 * v:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]{mark}"
+
+
+def fmt_kl(v) -> str:
+    if v is None or v != v:
+        return "…"
+    return f"{v:.3f}" if v < 100 else f"{v:.3g}"
+
+
+def blocks_label(layers) -> str:
+    """``[3, 12, 13, 14]`` → ``3, 12–14``."""
+    if not layers:
+        return "…"
+    from ...calibration import contiguous_spans
+
+    return ", ".join(f"{s}" if e - s == 1 else f"{s}–{e - 1}" for s, e in contiguous_spans(layers))
