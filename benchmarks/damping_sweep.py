@@ -21,7 +21,7 @@ from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.criteria import PruneConfig
 from shift_lightning.selection import select_blocks
 from shift_lightning.data import TextDataConfig, build_windows, load_texts, wants_bos
-from shift_lightning.evaluation.perplexity import build_windows as ppl_windows, window_nll
+from shift_lightning.evaluation.perplexity import ppl_windows, window_nll
 from shift_lightning.models import ModelConfig, load_model
 from shift_lightning.outputs import prepare_file, write_json_atomic, write_text_atomic
 from shift_lightning.surgery import attach_adapters, remove_blocks

@@ -81,7 +81,7 @@ class ShiftSpec:
             raise SurgeryError(f"{source}: unsupported format_version {doc.get('format_version')!r} "
                                f"(expected {FORMAT_VERSION})")
         n, pruned = doc.get("original_num_layers"), doc.get("pruned_layers")
-        if not isinstance(n, int) or n < 1 or not isinstance(pruned, list) \
+        if not isinstance(n, int) or n < 1 or not isinstance(pruned, list)\
                 or not all(isinstance(i, int) and 0 <= i < n for i in pruned) or len(set(pruned)) != len(pruned):
             raise SurgeryError(f"{source}: original_num_layers / pruned_layers are missing or inconsistent "
                                f"({n!r}, {pruned!r})")
@@ -225,7 +225,7 @@ def _rebuild_from_base(path: Path, spec: ShiftSpec, dtype):
         raise SurgeryError(f"{path / SHIFT_CONFIG}: bad base_model {spec.base_model!r}: {e}") from e
     if dtype is not None:
         base = ModelConfig(**{**base.__dict__, "dtype": str(dtype).replace("torch.", "")})
-    model, tok = load_model(base)
+    model, tokenizer = load_model(base)
     n = len(decoder_layers(model))
     if n != spec.original_num_layers:
         raise SurgeryError(f"{path / SHIFT_CONFIG}: the base model {base.name_or_path!r} has {n} blocks, the record "
@@ -237,8 +237,8 @@ def _rebuild_from_base(path: Path, spec: ShiftSpec, dtype):
                                f"model's hidden size {dim}")
     remove_blocks(model, spec.pruned_layers)
     if (path / "tokenizer_config.json").exists():
-        tok = AutoTokenizer.from_pretrained(path)
-    return model, tok
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
 
 
 def _check_against_config(path: Path, spec: ShiftSpec) -> None:
@@ -267,8 +267,8 @@ def load_pretrained(source, dtype: str | torch.dtype | None = None, device=None)
     if cfg.tiny is not None or not is_shift_folder(cfg.name_or_path):
         if dtype is not None:
             cfg = ModelConfig(**{**cfg.__dict__, "dtype": str(dtype).replace("torch.", "")})
-        model, tok = load_model(cfg)
-        return (model.to(device) if device is not None else model), tok
+        model, tokenizer = load_model(cfg)
+        return (model.to(device) if device is not None else model), tokenizer
     if dtype is None and isinstance(source, ModelConfig):
         dtype = cfg.dtype
     return _load_shift_folder(Path(cfg.name_or_path).expanduser(), dtype, device)
@@ -282,14 +282,14 @@ def _read_weights(path: Path, spec: ShiftSpec) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(wfile), framework="pt") as f:
             keys = list(f.keys())
-            held = {k.split(".", 1)[0] for k in keys if not k.startswith("branch.")}
+            present = {k.split(".", 1)[0] for k in keys if not k.startswith("branch.")}
             held_branches = {int(k.split(".")[1]) for k in keys if k.startswith("branch.")}
             if held_branches != {b["block"] for b in spec.branch_maps}:
                 raise SurgeryError(f"{wfile} holds MLP-branch maps for blocks {sorted(held_branches)} but "
                                    f"{SHIFT_CONFIG} lists {sorted(b['block'] for b in spec.branch_maps)}")
-            if held != listed:
+            if present != listed:
                 raise SurgeryError(
-                    f"{wfile} holds adapters at positions {sorted(held, key=int)} but {SHIFT_CONFIG} lists "
+                    f"{wfile} holds adapters at positions {sorted(present, key=int)} but {SHIFT_CONFIG} lists "
                     f"{sorted(listed, key=int)}: refusing to load a model whose corrections do not match its record")
             weights = {k: f.get_tensor(k) for k in keys}
     except SurgeryError:
@@ -311,12 +311,12 @@ def _load_shift_folder(path: Path, dtype, device):
         _check_against_config(path, spec)
     weights = _read_weights(path, spec)
     if adapter_only:
-        model, tok = _rebuild_from_base(path, spec, dtype)
+        model, tokenizer = _rebuild_from_base(path, spec, dtype)
     else:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False)
-        tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+        tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
     pdtype = next(model.parameters()).dtype
     adapters = {}
     for entry in spec.adapters:
@@ -343,4 +343,4 @@ def _load_shift_folder(path: Path, dtype, device):
     if device is not None:
         model.to(device)
     model.eval()
-    return model, tok
+    return model, tokenizer

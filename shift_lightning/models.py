@@ -85,8 +85,8 @@ def tiny_tokenizer():
 
     byte_chars = list(bytes_to_unicode().values())
     vocab = {c: i for i, c in enumerate(byte_chars)}
-    for tok in ("<s>", "</s>", "<pad>"):
-        vocab[tok] = len(vocab)
+    for tokenizer in ("<s>", "</s>", "<pad>"):
+        vocab[tokenizer] = len(vocab)
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()
@@ -248,7 +248,7 @@ def _load_gguf(gguf_path: Path, cfg: ModelConfig):
         folder, name = str(gguf_path.parent), gguf_path.name
         try:
             with _no_tensor_bar():
-                tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
                 model = AutoModelForCausalLM.from_pretrained(
                     folder, gguf_file=name, dtype=_DTYPES[cfg.dtype],
                     quantization_config=GgufConfig(dequantize=True),
@@ -262,7 +262,7 @@ def _load_gguf(gguf_path: Path, cfg: ModelConfig):
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = make_temp_dir(cache.parent, ".tmp-")
         model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
         try:  # atomic publish; another rank may have won the race, which is fine
             os.rename(tmp, cache)
         except OSError:
@@ -276,11 +276,11 @@ def _load_hf(path: str, cfg: ModelConfig):
 
     kw = dict(trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
     try:
-        tok = AutoTokenizer.from_pretrained(path, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"Could not load a tokenizer from {path!r}: {e}") from e
     model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **kw)
-    return model, tok
+    return model, tokenizer
 
 
 def load_model(cfg: ModelConfig | None = None, **kwargs):
@@ -293,22 +293,22 @@ def load_model(cfg: ModelConfig | None = None, **kwargs):
         raise ModelLoadError(f"Unknown dtype {cfg.dtype!r}; choose one of {list(_DTYPES)}")
     if cfg.tiny is not None:
         tiny = dict(cfg.tiny)
-        model, tok = build_tiny_model(tiny.pop("family", "llama"), seed=cfg.seed,
+        model, tokenizer = build_tiny_model(tiny.pop("family", "llama"), seed=cfg.seed,
                                       dtype=_DTYPES[cfg.dtype], **tiny)
     else:
         src = cfg.name_or_path
         if src in EMBEDDED_MODELS:
-            model, tok = _load_gguf(resolve_embedded(src), cfg)
+            model, tokenizer = _load_gguf(resolve_embedded(src), cfg)
         elif src.endswith(".gguf"):
             p = Path(src).expanduser()
             if not p.exists():
                 raise ModelLoadError(f"GGUF file not found: {p}")
-            model, tok = _load_gguf(p, cfg)
+            model, tokenizer = _load_gguf(p, cfg)
         elif cfg.gguf_file:
             p = Path(src).expanduser() / cfg.gguf_file
             if not p.exists():
                 raise ModelLoadError(f"GGUF file not found: {p}")
-            model, tok = _load_gguf(p, cfg)
+            model, tokenizer = _load_gguf(p, cfg)
         else:
             p = Path(src).expanduser()
             if (p / "shift_config.json").exists():
@@ -316,10 +316,10 @@ def load_model(cfg: ModelConfig | None = None, **kwargs):
                                      "shift_lightning.load_pretrained (it re-attaches the adapters)")
             if src.startswith((".", "/", "~")) and not p.exists():
                 raise ModelLoadError(f"Model folder not found: {p}")
-            model, tok = _load_hf(str(p) if p.exists() else src, cfg)
+            model, tokenizer = _load_hf(str(p) if p.exists() else src, cfg)
     decoder_layers(model)
     model.eval()
-    return model, tok
+    return model, tokenizer
 
 
 def num_params(module: nn.Module) -> int:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shift_lightning.evaluation import scoring as S
-from shift_lightning.evaluation.perplexity import make_windows, window_nll
+from shift_lightning.evaluation.perplexity import stride_windows, window_nll
 from shift_lightning.evaluation.runner import EvalConfig, check_tokenizer, evaluate_model
 from shift_lightning.evaluation.tasks import TASKS, TaskError, get_task, load_docs, parse_tasks
 from shift_lightning.models import build_tiny_model
@@ -200,20 +200,20 @@ def test_evaluator_metrics_match_manual_computation():
 @pytest.mark.parametrize("bos,stride", [(None, None), (99, None), (None, 3), (99, 2)])
 def test_windows_score_every_token_once(bos, stride):
     ids = list(range(23))
-    wins = make_windows(ids, seq_len=8, stride=stride, bos_id=bos)
+    wins = stride_windows(ids, seq_len=8, stride=stride, bos_id=bos)
     body = 8 - (bos is not None)
     assert all(len(w.input_ids) <= 8 for w in wins)
     scored = [t for w in wins for t in w.input_ids[len(w.input_ids) - w.n_scored:]]
     assert scored == (ids if bos is not None else ids[1:])  # each token once, in order
     assert all(w.input_ids[0] == bos for w in wins) if bos is not None else True
-    assert len(make_windows(ids, 8, stride, bos, max_windows=2)) == 2
+    assert len(stride_windows(ids, 8, stride, bos, max_windows=2)) == 2
     assert body > 0
 
 
 def test_window_nll_matches_direct_loss():
     model, tok = build_tiny_model("llama", dtype=torch.float64)
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    wins = make_windows(ids, seq_len=16, stride=10, bos_id=tok.bos_token_id)
+    wins = stride_windows(ids, seq_len=16, stride=10, bos_id=tok.bos_token_id)
     nll, n = window_nll(model, wins, batch_size=3)
     ref = 0.0
     for w in wins:

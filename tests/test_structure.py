@@ -167,3 +167,70 @@ def test_cli_saves_resolved_config_and_shows_only_what_matters(tmp_path):
     for noise in ("Predicting", "GPU available", "TPU available", "litlogger", "Writing model shards", "\r",
                   "Warning", "Total FLOPs"):
         assert noise not in r.stderr + r.stdout, noise
+
+
+def _imports(f: Path):
+    """``(module, name)`` of every ``from X import name`` in ``f`` (relative modules resolved)."""
+    rel = f.relative_to(ROOT).with_suffix("")
+    mod = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+    is_pkg = f.name == "__init__.py"
+    for node in ast.walk(ast.parse(f.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for a in node.names:
+                yield target, a.name
+
+
+def _private_recipe_imports() -> list[str]:
+    out = []
+    for f in sorted((PKG / "recipes").rglob("*.py")):
+        me = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+        for target, name in _imports(f):
+            other = target.startswith("shift_lightning.recipes") and target != me
+            if other and (name.startswith("_") or target.rsplit(".", 1)[-1].startswith("_")):
+                out.append(f"{me} imports {target}.{name}")
+    return out
+
+
+def test_recipes_never_import_each_others_private_names(tmp_path, monkeypatch):
+    assert _private_recipe_imports() == []
+    # the check itself fails on a planted offender
+    bad = PKG / "recipes" / "zz_offender_for_test.py"
+    try:
+        bad.write_text("from .reproduce import _selection  # noqa\n")
+        assert _private_recipe_imports() == ["shift_lightning.recipes.zz_offender_for_test imports "
+                                             "shift_lightning.recipes.reproduce._selection"]
+    finally:
+        bad.unlink()
+
+
+#: Library modules allowed past the line limit, with why each is still one concern.
+LONG_MODULES = {
+    "shift_lightning/evaluation/tasks.py": "the nine lm-evaluation-harness task definitions (prompts, choices, "
+                                           "splits) and where their offline data comes from: one table of tasks",
+}
+MAX_LINES = 400
+
+
+def _long_modules(limit: int = MAX_LINES) -> dict[str, int]:
+    out = {}
+    for f in sorted(PKG.rglob("*.py")):
+        rel = f.relative_to(ROOT).as_posix()
+        if rel.startswith("shift_lightning/recipes/"):
+            continue
+        n = len(f.read_text().splitlines())
+        if n > limit:
+            out[rel] = n
+    return out
+
+
+def test_library_modules_stay_short_or_say_why():
+    long = _long_modules()
+    assert set(long) <= set(LONG_MODULES), {k: v for k, v in long.items() if k not in LONG_MODULES}
+    assert _long_modules(limit=10_000) == {}
+    assert "shift_lightning/calibration/module.py" in _long_modules(limit=100)  # the check sees the package

@@ -198,22 +198,22 @@ class Collector:
             def post(mod, args, kwargs, output, group=group, end=end):
                 y = block_output(output)
                 m = self._mask
-                held = None
+                held_mask = None
                 if self.holdout_every and self._windows is not None:
                     k = self.holdout_every
-                    held = m & ((self._windows % k) == k - 1).to(m.device)[:, None]
+                    held_mask = m & ((self._windows % k) == k - 1).to(m.device)[:, None]
                 for st in group:
                     x = inputs[st.site.start]
                     delta = y - x
                     if st.io is not None:
                         st.io.add_batch(x[m], delta[m])
                         if st.held_io is not None:
-                            st.held_io.add_batch(x[held], delta[held])
+                            st.held_io.add_batch(x[held_mask], delta[held_mask])
                     if st.branch is not None:
                         b = branch[st.site.start - 1]
                         st.branch.add_batch(b[m], delta[m])
                         if st.held_branch is not None:
-                            st.held_branch.add_batch(b[held], delta[held])
+                            st.held_branch.add_batch(b[held_mask], delta[held_mask])
                     if st.scale is not None:
                         st.scale.add_batch(x, y, m)
                     if st.rows is not None:

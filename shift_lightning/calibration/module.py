@@ -251,12 +251,12 @@ class CalibrationModule(DataPass):
             candidates[span.key] = [m for m in maps if m is not None]
             default[span.key] = next(m for m in candidates[span.key] if m.source == default_name)
         k = self.cfg.guard_every
-        held = [i for i in range(len(windows)) if i % k == k - 1]
-        if not held:
+        held_out = [i for i in range(len(windows)) if i % k == k - 1]
+        if not held_out:
             raise ConfigError(f"--calibration.solver guarded holds out every {k}-th calibration window, but there are "
                               f"only {len(windows)}: raise --data.num_samples")
         judge = GuardJudge(self.model, self.removed, self.spans, candidates, default, self.cfg.guard_topk)
-        judge.run(trainer, TokenWindows(windows.input_ids[held], windows.attention_mask[held]), batch_size)
+        judge.run(trainer, TokenWindows(windows.input_ids[held_out], windows.attention_mask[held_out]), batch_size)
         chosen = {key: judge.results[key]["chosen"] for key in judge.results}
         refit = self._guard_jobs([c for c in cands if c[0] in set(chosen.values())], fitting=False)
         self._chosen["guarded"] = {}
@@ -264,7 +264,7 @@ class CalibrationModule(DataPass):
             name = chosen[span.key]
             solver = next(s for n, s, _ in cands if n == name)
             self._chosen["guarded"][span.key] = self._candidate(name, solver, span, refit)
-            self.reports[span.key]["guard"] = {**judge.results[span.key], "held_out_windows": len(held)}
+            self.reports[span.key]["guard"] = {**judge.results[span.key], "held_out_windows": len(held_out)}
 
     # ---------------------------------------------------------------- held-out errors
     def measure(self, trainer: L.Trainer, windows: TokenWindows, batch_size: int = 4, key: str = "heldout") -> None:

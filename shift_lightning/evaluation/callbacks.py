@@ -48,11 +48,11 @@ class _EvalCallback(pl.Callback):
     # ------------------------------------------------------------------ core
     def run(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", point: str) -> dict:
         model = getattr(pl_module, self.model_attr, pl_module)
-        tok = self.tokenizer if self.tokenizer is not None else getattr(pl_module, self.tokenizer_attr, None)
+        tokenizer = self.tokenizer if self.tokenizer is not None else getattr(pl_module, self.tokenizer_attr, None)
         if self._evaluator is None:  # data loaded once
             cfg = replace(self.cfg, progress=self.cfg.progress and trainer.is_global_zero)
-            self._evaluator = make_evaluator(model, tok, cfg)
-        res = evaluate_model(model, tok, self._evaluator.cfg, evaluator=self._evaluator)
+            self._evaluator = make_evaluator(model, tokenizer, cfg)
+        res = evaluate_model(model, tokenizer, self._evaluator.cfg, evaluator=self._evaluator)
         metrics = self.flatten(res)
         if trainer.is_global_zero:
             for logger in trainer.loggers:

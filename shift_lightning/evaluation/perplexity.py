@@ -61,7 +61,7 @@ def load_ppl_texts(name: str, split: str | None = None) -> list[str]:
     return load_texts(name, split or "test")
 
 
-def make_windows(ids: list[int], seq_len: int, stride: int | None = None, bos_id: int | None = None,
+def stride_windows(ids: list[int], seq_len: int, stride: int | None = None, bos_id: int | None = None,
                  max_windows: int | None = None) -> list[Window]:
     """Strided windows over a token stream (see module doc). ``stride`` defaults to ``body`` with BOS
     and ``body - 1`` without (windows then overlap by one token so every token after the first is
@@ -86,10 +86,10 @@ def make_windows(ids: list[int], seq_len: int, stride: int | None = None, bos_id
     return out
 
 
-def build_windows(tokenizer, texts: list[str], seq_len: int, stride: int | None, add_bos: bool,
-                  max_windows: int | None) -> list[Window]:
+def ppl_windows(tokenizer, texts: list[str], seq_len: int, stride: int | None, add_bos: bool,
+                max_windows: int | None) -> list[Window]:
     ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
-    return make_windows(ids, seq_len, stride, tokenizer.bos_token_id if add_bos else None, max_windows)
+    return stride_windows(ids, seq_len, stride, tokenizer.bos_token_id if add_bos else None, max_windows)
 
 
 @torch.no_grad()

@@ -161,7 +161,7 @@ def _selection(cfg, ctx: harness.GridContext, crit: str, ratio: float) -> list[i
     cached = harness.RunFolder(Path(g.out) / harness.model_key(cfg.model))
     if ratio == g.ratio and cached.done(f"{crit}/selection"):  # the grid's own choice for this criterion
         return sorted(cached.read(f"{crit}/selection")["layers"])
-    windows = ctx.windows(g.calib_samples, g.seq_len) if crit == "linear_fit" else \
+    windows = ctx.windows(g.calib_samples, g.seq_len) if crit == "linear_fit" else\
         ctx.windows(g.select_samples, g.select_seq_len)
     return sorted(select_blocks(PruneConfig(ratio=ratio, criterion=crit, damping=g.damping), ctx.model, windows,
                                 ctx.make_trainer).layers)
@@ -174,7 +174,7 @@ def _run_criterion(cfg: AblationConfig, ctx: harness.GridContext, runs: harness.
         return f"{crit}/{name.replace('/', '_')}"
 
     new = set() if cfg.fill == "closeness" else {n for n in planned(cfg) if not runs.done(file(n))}
-    old = set() if (cfg.fill == "new" or not g.kl) else \
+    old = set() if (cfg.fill == "new" or not g.kl) else\
         {n for n in planned(cfg) if runs.done(file(n)) and "fidelity" not in runs.read(file(n))}
     todo = new | old
     if not todo:
@@ -250,8 +250,8 @@ def _run_criterion(cfg: AblationConfig, ctx: harness.GridContext, runs: harness.
             evaluate("granularity=span", span.correction("lra"), {"granularity": "span"})
         for r in cfg.ranks:
             if f"rank={r}" in todo:
-                corr = solved(span, replace(base, granularity="span", rank=r)).correction("lra")
-                evaluate(f"rank={r}", corr, {"rank": r, "lra_params": sum(num_params(a) for a in corr.adapters.values())})
+                correction = solved(span, replace(base, granularity="span", rank=r)).correction("lra")
+                evaluate(f"rank={r}", correction, {"rank": r, "lra_params": sum(num_params(a) for a in correction.adapters.values())})
     # --- domain ---------------------------------------------------------------------------------
     for d in cfg.domains:
         if f"domain={d}" in todo:
@@ -263,9 +263,9 @@ def _run_criterion(cfg: AblationConfig, ctx: harness.GridContext, runs: harness.
             continue
         lay = _selection(cfg, ctx, crit, ratio)
         model = copy.deepcopy(ctx.model)
-        corr = calibrate(wins64, base, model, lay).correction("lra")
+        correction = calibrate(wins64, base, model, lay).correction("lra")
         remove_blocks(model, lay)
-        for v, c in (("pruned", None), ("lra", corr)):
+        for v, c in (("pruned", None), ("lra", correction)):
             if f"ratio={ratio:g}/{v}" in todo:
                 evaluate(f"ratio={ratio:g}/{v}", c, {"ratio": ratio}, model=model, lay=lay)
 

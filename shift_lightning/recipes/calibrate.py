@@ -123,20 +123,20 @@ def run_calibration(
     check_early(prune, data, calibration)
     t0 = time.time()
 
-    lm, tok = built if built is not None else load_pretrained(model_cfg)
-    if tok is None:
+    lm, tokenizer = built if built is not None else load_pretrained(model_cfg)
+    if tokenizer is None:
         raise ConfigError("The model has no tokenizer; calibration needs one to tokenise the data")
     n_layers = len(decoder_layers(lm))
     if prune.layers is not None:  # index checks need the model's depth, but not the data
         check_layers(list(prune.layers), n_layers)
     else:
         num_to_remove(n_layers, prune.ratio)
-    mtype = lm.config.model_type
-    windows = build_windows(data, tok, mtype)
-    held = build_windows(heldout, tok, mtype) if (calibration.heldout and heldout.num_samples > 0) else None
+    model_type = lm.config.model_type
+    windows = build_windows(data, tokenizer, model_type)
+    heldout_windows = build_windows(heldout, tokenizer, model_type) if (calibration.heldout and heldout.num_samples > 0) else None
     check_windows(lm, windows, "--data")  # before any pass
-    if held is not None:
-        check_windows(lm, held, "--heldout", fitting=False)
+    if heldout_windows is not None:
+        check_windows(lm, heldout_windows, "--heldout", fitting=False)
     if evaluate is not None and evaluate.ppl:
         check_seq_len(lm, evaluate.ppl_seq_len, "--evaluate.ppl_seq_len")
     make_trainer = make_trainer_factory(trainer)
@@ -147,7 +147,7 @@ def run_calibration(
     t_sel = time.time()
     do_eval = evaluate is not None and bool(evaluate.tasks or evaluate.ppl)
     evals: dict[str, dict] = {}
-    scorer = ModelEvaluation(lm, tok, evaluate, make_trainer) if do_eval else None
+    scorer = ModelEvaluation(lm, tokenizer, evaluate, make_trainer) if do_eval else None
     if do_eval:  # the original's distributions first: closeness of every later evaluation to it
         scorer.record_reference()
     if do_eval and evaluate_baselines:
@@ -156,7 +156,7 @@ def run_calibration(
     params_before = num_params(lm)
     module = CalibrationModule(lm, selection.layers, calibration)
     if selection.layers:
-        module.calibrate(make_trainer(), windows, held, batch_size=data.batch_size, check=False)
+        module.calibrate(make_trainer(), windows, heldout_windows, batch_size=data.batch_size, check=False)
     correction = module.correction() if selection.layers else Correction(calibration.solver)
     adapters = correction.adapters
     for note in correction.notes:
@@ -172,7 +172,7 @@ def run_calibration(
 
     report = {
         "model": model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny},
-        "model_type": mtype,
+        "model_type": model_type,
         "original_num_layers": n_layers,
         "pruned_layers": selection.layers,
         "selection": selection.to_dict(),
@@ -180,9 +180,9 @@ def run_calibration(
         "lambda_relative": calibration.damping,
         "rank": calibration.rank,
         "data": asdict(data),
-        "heldout_data": asdict(heldout) if held is not None else None,
+        "heldout_data": asdict(heldout) if heldout_windows is not None else None,
         "calibration_tokens": windows.num_tokens,
-        "heldout_tokens": held.num_tokens if held is not None else 0,
+        "heldout_tokens": heldout_windows.num_tokens if heldout_windows is not None else 0,
         "world_size": dist.world_size(),
         "sites": module.site_reports(),
         "spans": module.span_reports(),
@@ -202,10 +202,10 @@ def run_calibration(
         def write(tmp: Path):
             if save_model == "adapters":
                 kept = [i for i in range(n_layers) if i not in set(selection.layers)]
-                save_adapters(lm, tok, tmp, spec, asdict(model_cfg),
+                save_adapters(lm, tokenizer, tmp, spec, asdict(model_cfg),
                               {kept.index(i): T for i, T in correction.branch_maps.items()})
             elif save_model:
-                save_pretrained(lm, tok, tmp, spec)
+                save_pretrained(lm, tokenizer, tmp, spec)
             for name, doc in (extra_files or {}).items():
                 (tmp / name).write_text(json.dumps(doc, indent=2))
             (tmp / "calibration_report.json").write_text(json.dumps(report, indent=2))
@@ -216,7 +216,7 @@ def run_calibration(
         publish_dir(output_dir, write, kind="calibration", overwrite=overwrite)
         log.info("Wrote %s", output_dir)
     dist.barrier()
-    return CalibrationResult(report, lm, tok, Path(output_dir) if output_dir else None)
+    return CalibrationResult(report, lm, tokenizer, Path(output_dir) if output_dir else None)
 
 
 class ModelEvaluation:

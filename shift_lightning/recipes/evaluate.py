@@ -34,7 +34,7 @@ def write_results(res: dict, folder: Path, extra: dict | None = None, resolved_c
     """``eval_results.json`` + ``eval_results.md`` (+ ``config.yaml``) into ``folder``."""
     doc = dict(res, **(extra or {}), written=_dt.datetime.now().isoformat(timespec="seconds"))
     (folder / "eval_results.json").write_text(json.dumps(doc, indent=2, default=str))
-    head = f"# Zero-shot evaluation\n\nmodel: `{(extra or {}).get('model', {}).get('name_or_path', '?')}`, " \
+    head = f"# Zero-shot evaluation\n\nmodel: `{(extra or {}).get('model', {}).get('name_or_path', '?')}`, "\
            f"BOS added: {res.get('bos_added')}, processes: {res.get('world_size')}, {res.get('seconds', 0):.0f} s\n\n"
     (folder / "eval_results.md").write_text(head + markdown_table(res))
     if resolved_config:
@@ -52,8 +52,8 @@ def run_evaluation(model_cfg: ModelConfig, cfg: EvalConfig, trainer: dict | None
         prepare_output(output_dir, overwrite)
     if cfg.tasks:
         parse_tasks(cfg.tasks)  # unknown task names fail before loading the model
-    model, tok = load_pretrained(model_cfg)
-    module = EvalModule(model, tok, cfg)
+    model, tokenizer = load_pretrained(model_cfg)
+    module = EvalModule(model, tokenizer, cfg)
     t = L.Trainer(**with_stage_progress({**EVAL_TRAINER_DEFAULTS, **(trainer or {})}))
     res = module.evaluate(t)
     if t.is_global_zero and output_dir:

@@ -67,7 +67,7 @@ def software(device: torch.device | None = None) -> dict:
 
     out = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
            "machine": f"{platform.machine()}, {torch.get_num_threads()} threads"}
-    out["device"] = f"cuda: {torch.cuda.get_device_name(device)}, tf32 off" \
+    out["device"] = f"cuda: {torch.cuda.get_device_name(device)}, tf32 off"\
         if device is not None and device.type == "cuda" else "cpu"
     return out
 
@@ -185,9 +185,9 @@ def open_grid(model: str, tiny: dict | None, device: str, eval_config: Callable[
     from ..checkpoint import load_pretrained
 
     dev = resolve_device(device)
-    lm, tok = load_pretrained(ModelConfig(name_or_path=model, tiny=tiny), device=dev)
+    lm, tokenizer = load_pretrained(ModelConfig(name_or_path=model, tiny=tiny), device=dev)
     ev_cfg = eval_config(lm.config.vocab_size, dev)
-    evaluator = make_evaluator(lm, tok, ev_cfg)
+    evaluator = make_evaluator(lm, tokenizer, ev_cfg)
     if ev_cfg.kl:
         t0 = time.time()
         record_reference(lm, evaluator)
@@ -195,7 +195,7 @@ def open_grid(model: str, tiny: dict | None, device: str, eval_config: Callable[
                  sum(len(r) for r in evaluator.reference.values()), ev_cfg.kl_topk, time.time() - t0)
     meta = {"model": model, "model_type": lm.config.model_type, "layers": len(decoder_layers(lm)), **meta,
             "eval": asdict(ev_cfg), "software": software(dev)}
-    return GridContext(lm, tok, dev, ev_cfg, evaluator, quiet_trainer_factory(dev), meta, text_source)
+    return GridContext(lm, tokenizer, dev, ev_cfg, evaluator, quiet_trainer_factory(dev), meta, text_source)
 
 
 def add_closeness(ctx: GridContext, runs: RunFolder, name: str, res: dict) -> None:

@@ -108,7 +108,7 @@ def run(cfg: RecoveryTableConfig) -> Path:
     ctx = harness.open_grid(cfg.model, g.tiny, "cpu", lambda v, d: eval_config(g, v, d),
                             {"config": json.loads(json.dumps(asdict(cfg), default=str)), "command": rerun_command(cfg)},
                             g.text_source)
-    base, tok = ctx.model, ctx.tokenizer
+    base, tokenizer = ctx.model, ctx.tokenizer
     curve = EvalConfig(tasks=ctx.eval_config.tasks, limit=cfg.curve_docs, sample_seed=g.sample_seed, progress=False,
                        max_batch_tokens=ctx.eval_config.max_batch_tokens, data_dir=g.eval_data_dir)
     train_data = TextDataConfig(source=g.text_source, num_samples=cfg.train_samples, seq_len=cfg.seq_len, seed=1,
@@ -153,7 +153,7 @@ def run(cfg: RecoveryTableConfig) -> Path:
                                 logger=TensorBoardLogger(str(out / "tb"), name=crit, version=name),
                                 callbacks=[ZeroShotAccuracy(curve, when=("validation_end",))])
             t0 = time.time()
-            result = run_training(trainer, train_data=train_data, val=val, recovery=rec, built=(model, tok, spec),
+            result = run_training(trainer, train_data=train_data, val=val, recovery=rec, built=(model, tokenizer, spec),
                                   reference=base)
             t1 = time.time()
             merged = result.module.merged_model().eval()

@@ -204,10 +204,10 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
     module = None
     if solvers:
         calib = ctx.windows(cfg.calib_samples, cfg.seq_len, source=cfg.calib_source)
-        held = ctx.windows(cfg.heldout_samples, cfg.seq_len, split="heldout")
+        heldout = ctx.windows(cfg.heldout_samples, cfg.seq_len, split="heldout")
         module = CalibrationModule(model, layers, CalibrationConfig(damping=cfg.damping, guard_every=cfg.guard_every),
                                    solvers=solvers)
-        module.calibrate(ctx.make_trainer(), calib, held, batch_size=4)
+        module.calibrate(ctx.make_trainer(), calib, heldout, batch_size=4)
     cal_seconds = time.time() - t0
     n_layers = ctx.num_layers
     remove_blocks(model, layers)
@@ -216,9 +216,9 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
     order = sorted(new + old, key=lambda v: v != "pruned")  # the pruned model records the shared blocks
     for i, variant in enumerate(order):
         name = f"{crit}/{variant}"
-        corr = module.correction(variant) if variant != "pruned" else None
+        correction = module.correction(variant) if variant != "pruned" else None
         t1 = time.time()
-        with harness.corrected(model, corr, n_layers, layers):
+        with harness.corrected(model, correction, n_layers, layers):
             res = ctx.evaluate(model, cache, record=i == 0, tasks=variant in new)
             params = num_params(model)
         if variant in old:
@@ -226,8 +226,8 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
             continue
         doc = {**ctx.meta, "criterion": crit, "variant": variant, "solver": None if variant == "pruned" else variant,
                "pruned_layers": layers, "params": params, "correction_params": params - base_params,
-               **harness.row_doc(res), "sites": _site_errors(module, variant) if corr is not None else [],
-               "notes": corr.notes if corr is not None else [],
+               **harness.row_doc(res), "sites": _site_errors(module, variant) if correction is not None else [],
+               "notes": correction.notes if correction is not None else [],
                "seconds": {"calibration_all_solvers": cal_seconds, "evaluation": time.time() - t1},
                "trunk_cache": {"depth": cache.depth, "hits": cache.hits, "misses": cache.misses,
                                "mb": round(cache.nbytes / 2 ** 20, 1)}}

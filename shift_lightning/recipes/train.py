@@ -88,29 +88,29 @@ def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, o
             log.warning("Could not load the base model %s (%s): no val/kl", base.name_or_path, e)
 
     if model_cfg.tiny is None and is_shift_folder(model_cfg.name_or_path):
-        lm, tok = load_pretrained(model_cfg)
+        lm, tokenizer = load_pretrained(model_cfg)
         spec = read_shift_config(model_cfg.name_or_path).to_dict()
         log.info("Recovering the calibrated model in %s (no calibration)", model_cfg.name_or_path)
         original_of(spec)
-        return lm, tok, spec
+        return lm, tokenizer, spec
     key = {"model": asdict(model_cfg), **{k: asdict(v) for k, v in calib.items()}}
-    cdir = calibration_dir(output_dir) if output_dir else None
-    if cdir is not None and is_shift_folder(cdir):
-        done = json.loads((cdir / "calibration_key.json").read_text()) if (cdir / "calibration_key.json").exists() else None
+    calib_dir = calibration_dir(output_dir) if output_dir else None
+    if calib_dir is not None and is_shift_folder(calib_dir):
+        done = json.loads((calib_dir / "calibration_key.json").read_text()) if (calib_dir / "calibration_key.json").exists() else None
         if done == json.loads(json.dumps(key)):
-            log.info("Reusing the calibration in %s (same model, data, pruning and calibration settings)", cdir)
-            lm, tok = load_pretrained(cdir)
-            spec = read_shift_config(cdir).to_dict()
+            log.info("Reusing the calibration in %s (same model, data, pruning and calibration settings)", calib_dir)
+            lm, tokenizer = load_pretrained(calib_dir)
+            spec = read_shift_config(calib_dir).to_dict()
             original_of(spec)
-            return lm, tok, spec
+            return lm, tokenizer, spec
         if not overwrite:
-            raise ConfigError(f"{cdir} holds a calibration with other settings; pass --overwrite to redo it or "
+            raise ConfigError(f"{calib_dir} holds a calibration with other settings; pass --overwrite to redo it or "
                               "choose another --output_dir")
     built = load_pretrained(model_cfg)
     if on_original is not None:
         on_original(*built)
     result = run_calibration(model=model_cfg, data=calib["data"], heldout=calib["heldout"], prune=calib["prune"],
-                             calibration=calib["calibration"], trainer=trainer, output_dir=str(cdir) if cdir else None,
+                             calibration=calib["calibration"], trainer=trainer, output_dir=str(calib_dir) if calib_dir else None,
                              overwrite=True, save_model="adapters", resolved_config=resolved_config,
                              extra_files={"calibration_key.json": key}, built=built)
     spec = {"original_num_layers": result.report["original_num_layers"],
@@ -156,22 +156,22 @@ def run_training(
                                                  val.batch_size)
 
     if built is not None:
-        lm, tok, spec = built
+        lm, tokenizer, spec = built
         if reference is not None:
-            record(reference, tok)
+            record(reference, tokenizer)
     else:
         calib = {"data": data or TextDataConfig(), "heldout": heldout or TextDataConfig(split="heldout", num_samples=16),
                  "prune": prune or PruneConfig(), "calibration": calibration or CalibrationConfig()}
-        lm, tok, spec = _calibrated_model(trainer, model_cfg, calib, output_dir, overwrite, resolved_config, record)
+        lm, tokenizer, spec = _calibrated_model(trainer, model_cfg, calib, output_dir, overwrite, resolved_config, record)
     spec = {k: v for k, v in spec.items() if k not in ("adapters", "format_version", "weights", "base_model",
                                                        "branch_maps")}
     spec.setdefault("original_num_layers", len(decoder_layers(lm)))
     spec.setdefault("pruned_layers", [])
     t_cal = time.time()
-    mtype = lm.config.model_type
-    train_w = build_windows(train_data, tok, mtype)
-    val_w = build_windows(val, tok, mtype) if val is not None and val.num_samples > 0 else None
-    module = RecoveryModule(lm, recovery, spec.get("pruned_layers"), spec.get("original_num_layers"), tokenizer=tok,
+    model_type = lm.config.model_type
+    train_w = build_windows(train_data, tokenizer, model_type)
+    val_w = build_windows(val, tokenizer, model_type) if val is not None and val.num_samples > 0 else None
+    module = RecoveryModule(lm, recovery, spec.get("pruned_layers"), spec.get("original_num_layers"), tokenizer=tokenizer,
                             reference=closeness.get("ref"))
     n_train = sum(p.numel() for p in module.parameters() if p.requires_grad)
     dm = RecoveryData(train_w, val_w, batch_size=train_data.batch_size, seed=recovery.seed)
@@ -196,7 +196,7 @@ def run_training(
                     "marked \"recovered\": false", trainer.max_steps)
     if output_dir is not None and trainer.is_global_zero:
         def write(tmp: Path):
-            module.export(tmp, tok, {**spec, "recovered": steps > 0, "recovery_steps": steps})
+            module.export(tmp, tokenizer, {**spec, "recovered": steps > 0, "recovery_steps": steps})
             (tmp / "recovery_report.json").write_text(json.dumps(report, indent=2))
             if resolved_config:
                 (tmp / "config.yaml").write_text(resolved_config)

@@ -121,7 +121,7 @@ def markdown(rows: list[dict], info: dict, criteria: list[str], variants: list[s
     lines.append("| – | original | – | " + " | ".join(cells(orig)) + " | | "
                  + " | ".join(f"{orig['ppl'][p]:.2f}" for p in ppl_sets) + " |")
     for crit in criteria:
-        layers = next((r["pruned_layers"] for (cc, _), r in by.items() if cc == crit), None) or \
+        layers = next((r["pruned_layers"] for (cc, _), r in by.items() if cc == crit), None) or\
             info.get("selections", {}).get(crit)
         for v in variants:
             r = by.get((crit, v))
@@ -162,13 +162,13 @@ def closeness_table(rows: list[dict], info: dict, criteria: list[str], variants:
     if not sets:
         return []
     by = {(r["criterion"], r["variant"]): r for r in rows}
-    ev = info.get("eval", {})
+    eval_settings = info.get("eval", {})
     lines = ["## Closeness to the original", "",
              "Mean next-token **KL(original ‖ model)** in nats per position (lower is closer) and **top-1** agreement "
              "with the original's most likely next token (%), on the held-out wiki-summaries and LAMBADA windows "
              f"(the perplexity windows) and on the tasks' prompts (the contexts the scorer runs, first "
-             f"{ev.get('kl_docs', 50)} docs of each task's sample, no answers); the original's top-"
-             f"{ev.get('kl_topk', 64)} probabilities per position plus one bucket for the rest "
+             f"{eval_settings.get('kl_docs', 50)} docs of each task's sample, no answers); the original's top-"
+             f"{eval_settings.get('kl_topk', 64)} probabilities per position plus one bucket for the rest "
              "(`benchmarks/fidelity_topk.py` measures that approximation). Brackets: 95% bootstrap intervals over "
              "windows / docs. `…` = not measured yet.", "",
              "| criterion | variant | " + " | ".join(f"KL {set_label(s)}" for s in sets) + " | "
