@@ -3,15 +3,19 @@
 Used by every writer (calibration, evaluation, training, benchmarks, the paper grid, caches):
 
 * :func:`prepare_output` runs first, before a model is loaded: it refuses a path that is a file,
-  an existing non-empty folder without ``--overwrite``, and, even with ``--overwrite``, a folder
-  that this project did not write (no :data:`MARKER` file inside): we only ever replace our own
-  outputs. It checks that the parent folder is writable (read-only file systems, permissions) and
-  cleans the hidden leftovers of earlier crashed runs (``.<name>.tmp-*``, ``.<name>.old-*``),
-  restoring an old result whose replacement never arrived.
+  an output that is one of the run's inputs, contains one or lies inside one (``inputs``), an
+  existing non-empty folder without ``--overwrite``, and, even with ``--overwrite``, a folder that
+  this project did not write (no :data:`MARKER` file inside) or one that holds files it did not
+  write (the marker lists what was written; anything else was added by someone): we only ever
+  replace our own outputs, never a file a person put there. It checks that the location is
+  writable (read-only file systems, permissions) without creating any folder, and cleans the
+  hidden leftovers of earlier crashed runs (``.<name>.tmp-*``, ``.<name>.old-*``), restoring an
+  old result whose replacement never arrived.
 * :func:`publish_dir` writes into a temporary sibling folder and swaps it in: with an atomic
   exchange (``renameat2(RENAME_EXCHANGE)``) where the OS has one, otherwise two renames whose
   interruption :func:`prepare_output` repairs on the next start. A crash never leaves half a
-  result, and an old result is only removed once the new one is complete.
+  result, and an old result is only removed once the new one is complete. A write that fails for
+  lack of space (or any other OS error) is one :class:`OutputError`; the old result stays.
 
 Single result files (benchmarks, the paper grid's runs and tables) are checked with
 :func:`prepare_file` before the compute and written with :func:`write_text_atomic` /
@@ -26,6 +30,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -85,18 +90,61 @@ def recover_leftovers(out: Path) -> list[str]:
 
 
 def _check_writable(path: Path, fix: str) -> None:
-    """Create ``path``'s parent and write (then delete) a probe file there: a read-only file system,
-    missing permissions or a parent that is a file fail here, before any compute."""
+    """Write (then delete) a probe file in the nearest existing folder above ``path``: a read-only
+    file system, missing permissions or a parent that is a file fail here, before any compute.
+    No folder is created (a run that fails later leaves nothing behind)."""
+    base = path.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.probe-"):
+        if not base.is_dir():
+            raise NotADirectoryError(20, f"{base} is a file, not a folder")
+        with tempfile.NamedTemporaryFile(dir=base, prefix=f".{path.name}.probe-"):
             pass
     except OSError as e:
         raise OutputError(f"Cannot write next to {path} ({e.strerror or e}); {fix}") from e
 
 
-def prepare_output(output_dir: str | Path | None, overwrite: bool = False) -> Path | None:
-    """Check ``output_dir`` before any work (see the module docstring); returns it as a Path."""
+def check_not_input(out: str | Path, inputs: dict[str, str | Path | None] | None) -> None:
+    """Refuse an output that is one of the run's inputs, contains one or lies inside one
+    (``inputs``: option name -> path; names that are no local path, e.g. hub ids, are skipped):
+    writing it would replace, or mix with, what the run reads."""
+    o = Path(out).expanduser().resolve()
+    for option, given in (inputs or {}).items():
+        if not given:
+            continue
+        q = Path(given).expanduser()
+        if not q.exists():
+            continue
+        q = q.resolve()
+        rel = "is" if o == q else "contains" if o in q.parents else "is inside" if q in o.parents else None
+        if rel:
+            raise OutputError(f"--output_dir {out} {rel} the input {option} {given}: the output would replace or mix "
+                              "with what the run reads; choose another --output_dir")
+
+
+def _entries(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*")} - {MARKER}
+
+
+def foreign_entries(out: Path) -> list[str]:
+    """What a folder of ours holds that this project did not write (a person added it): entries
+    not listed in the marker (markers of older versions list nothing: then entries newer than
+    the marker)."""
+    try:
+        listed = json.loads((out / MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    if isinstance(listed, list):
+        return sorted(_entries(out) - set(listed))
+    stamp = (out / MARKER).stat().st_mtime + 1.0
+    return sorted(e for e in _entries(out) if (out / e).lstat().st_mtime > stamp)
+
+
+def prepare_output(output_dir: str | Path | None, overwrite: bool = False,
+                   inputs: dict[str, str | Path | None] | None = None) -> Path | None:
+    """Check ``output_dir`` before any work (see the module docstring); returns it as a Path.
+    ``inputs``: the run's local inputs by option name (the output may not be, contain or lie in one)."""
     if output_dir is None:
         return None
     out = Path(output_dir).expanduser()
@@ -106,6 +154,7 @@ def prepare_output(output_dir: str | Path | None, overwrite: bool = False) -> Pa
                           "e.g. --output_dir outputs/run1")
     if out.exists() and not out.is_dir():
         raise OutputError(f"--output_dir {out} is a file, not a folder; choose another --output_dir")
+    check_not_input(out, inputs)
     _check_writable(out, "choose a writable --output_dir")
     recover_leftovers(out)
     if out.exists() and any(out.iterdir()):
@@ -116,6 +165,12 @@ def prepare_output(output_dir: str | Path | None, overwrite: bool = False) -> Pa
             raise OutputExistsError(
                 f"Output folder {out} was not written by shift-lightning (no {MARKER} inside), so --overwrite "
                 "will not replace it; choose another --output_dir or remove the folder yourself.")
+        added = foreign_entries(out)
+        if added:
+            shown = ", ".join(added[:5]) + (f" and {len(added) - 5} more" if len(added) > 5 else "")
+            raise OutputExistsError(
+                f"Output folder {out} holds files shift-lightning did not write ({shown}); --overwrite would delete "
+                "them: move them out of the folder, or choose another --output_dir.")
     return out
 
 
@@ -161,18 +216,41 @@ def publish_dir(output_dir: str | Path, write: Callable[[Path], None], kind: str
     """
     out = Path(output_dir).expanduser()
     prepare_output(out, overwrite)
-    tmp = make_temp_dir(out.parent, f".{out.name}.tmp-")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = make_temp_dir(out.parent, f".{out.name}.tmp-")
+    except OSError as e:
+        raise OutputError(f"Cannot write {out} ({e.strerror or e}); choose a writable --output_dir") from e
     try:
         write(tmp)
         from . import __version__
 
         (tmp / MARKER).write_text(json.dumps({"written_by": "shift-lightning", "version": __version__,
-                                              "kind": kind, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+                                              "kind": kind, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                              "files": sorted(_entries(tmp))}) + "\n")
         _swap_in(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_write_failure(e):
+            raise OutputError(f"Could not write {out}: {write_failure_reason(e)}. Nothing was changed there (an earlier result "
+                              "stays as it was); free some space or choose another --output_dir") from e
         raise
     return out
+
+
+def is_write_failure(e: BaseException) -> bool:
+    """An OS error while writing (no space, quota, permissions, I/O), also as safetensors reports it."""
+    if isinstance(e, OSError):
+        return True
+    return type(e).__name__ == "SafetensorError" and "IoError" in str(e)
+
+
+def write_failure_reason(e: BaseException) -> str:
+    """What went wrong in a failed write, in a few words ("No space left on device")."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    m = re.search(r'message: "([^"]+)"', str(e))  # safetensors: IoError(Os { code: 28, ..., message: "..." })
+    return m.group(1) if m else " ".join(str(e).split())
 
 
 def prepare_file(path: str | Path) -> Path:
@@ -189,13 +267,15 @@ def write_file_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
     """``write(tmp)`` into a temporary sibling of ``path``, then rename it over ``path`` atomically:
     a reader (or a crash) never sees half a file."""
     path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if is_write_failure(e):
+            raise OutputError(f"Could not write {path}: {write_failure_reason(e)} (an earlier version of it stays as it was)") from e
         raise
     return path
 
