@@ -19,3 +19,7 @@ class ConfigError(ShiftError, ValueError):
 
 class DataError(ShiftError, ValueError):
     """Missing or malformed data."""
+
+
+class UsageError(ConfigError):
+    """A command line the parser refuses (unknown option, wrong type, empty config file)."""

@@ -7,8 +7,11 @@ its description and, for fixed choices, the allowed values). Boolean options wor
 (``--overwrite``) or with a value (``--overwrite false``); abbreviations are refused.
 
 Errors the user can fix (:class:`~shift_lightning.errors.ShiftError`) print one line and exit with
-status 2; ``--debug`` shows the traceback. Every run saves its fully resolved config as
-``config.yaml`` next to its outputs.
+status 2; ``--debug`` shows the traceback. A command line the parser refuses (unknown option, bad
+value, empty config file) is one ``error:`` line and a pointer to ``--help``, exit 2. Ctrl-C is one
+line and exit status 130; every process of a run exits on Ctrl-C, SIGTERM or a dead peer
+(:mod:`shift_lightning.stopping`). Every run saves its fully resolved config as ``config.yaml``
+next to its outputs.
 """
 
 from __future__ import annotations
@@ -19,14 +22,14 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from jsonargparse import ActionConfigFile, Namespace, set_parsing_settings
+from jsonargparse import ActionConfigFile, ArgumentError, Namespace, set_parsing_settings
 from lightning import Trainer
 from lightning.pytorch.cli import LightningArgumentParser
 
 from ..calibration import CalibrationConfig
 from ..criteria import PruneConfig
 from ..data import TextDataConfig
-from ..errors import ConfigError, ShiftError
+from ..errors import ConfigError, ShiftError, UsageError
 from ..evaluation.runner import EvalConfig
 from ..models import ModelConfig
 from .calibrate import TRAINER_DEFAULTS, default_heldout
@@ -72,6 +75,7 @@ def setup_logging() -> None:
 def _parser(description: str) -> LightningArgumentParser:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     p = LightningArgumentParser(description=description, default_env=False, allow_abbrev=False)
+    p.exit_on_error = False  # errors are raised (one line, see entry()), not printed after 75 lines of usage
     p.add_argument("--config", action=ActionConfigFile,
                    help="YAML config file(s); a bare name is also looked up in configs/")
     return p
@@ -163,13 +167,32 @@ def train_parser() -> LightningArgumentParser:
 def find_config(name: str) -> str:
     """``--config`` value as given if it exists, else ``configs/<name>`` (``.yaml`` optional)."""
     if Path(name).expanduser().exists():
-        return name
+        return check_config_file(name)
     candidates = [d / n for d in CONFIG_DIRS for n in (name, f"{name}.yaml")]
     for c in candidates:
         if c.is_file():
-            return str(c)
+            return check_config_file(str(c))
     raise ConfigError(f"Config file {name!r} not found (also looked in {', '.join(str(d) for d in CONFIG_DIRS)}); "
                       "see configs/ for the shipped ones")
+
+
+def check_config_file(path: str) -> str:
+    """A config file must hold a YAML mapping of settings (an empty one is a mistake, not "no settings")."""
+    import yaml
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise UsageError(f"--config {path} is a folder; give a YAML file")
+    try:
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise UsageError(f"Config file {path} cannot be read as YAML: {' '.join(str(e).split())}") from e
+    if doc is None:
+        raise UsageError(f"Config file {path} is empty (no settings); give a YAML mapping such as 'prune: {{ratio: 0.25}}'")
+    if not isinstance(doc, dict):
+        raise UsageError(f"Config file {path} holds a {type(doc).__name__}, not a mapping of settings "
+                         "('section: {option: value}')")
+    return path
 
 
 def _is_bool(hint) -> bool:
@@ -207,20 +230,37 @@ def _one_line(e: BaseException) -> str:
 
 
 def entry(run: Callable[[list[str]], object], argv: list[str] | None = None):
-    """Run an entry point: ``--debug`` handling, project errors as one line and exit status 2."""
+    """Run an entry point: ``--debug`` handling, project errors as one line and exit status 2,
+    Ctrl-C as one line and status 130, every process guarded (:func:`~shift_lightning.stopping.guarded`)."""
+    from .. import dist, stopping
+
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    try:
-        return run(argv)
-    except ShiftError as e:
-        if debug:
-            raise
-        sys.stderr.write(f"error: {_one_line(e)}\n")
-        if e.__cause__ is not None and not isinstance(e.__cause__, ShiftError):
-            sys.stderr.write(f"  cause: {type(e.__cause__).__name__}: {_one_line(e.__cause__)}\n")
-        sys.stderr.write("  (run again with --debug for the traceback)\n")
-        raise SystemExit(2) from None
+    with stopping.guarded():
+        try:
+            return run(argv)
+        except ShiftError as e:
+            if debug:
+                raise
+            sys.stderr.write(f"error: {_one_line(e)}\n")
+            if isinstance(e, UsageError):
+                sys.stderr.write("  (--help lists every option)\n")
+                raise SystemExit(2) from None
+            if e.__cause__ is not None and not isinstance(e.__cause__, ShiftError):
+                sys.stderr.write(f"  cause: {type(e.__cause__).__name__}: {_one_line(e.__cause__)}\n")
+            sys.stderr.write("  (run again with --debug for the traceback)\n")
+            raise SystemExit(2) from None
+        except (KeyboardInterrupt, SystemExit) as e:
+            # Lightning turns Ctrl-C inside a Trainer call into sys.exit(1) after its shutdown
+            if isinstance(e, SystemExit) and not (stopping.interrupted() and e.code not in (0, None, 2)):
+                raise
+            if debug:
+                raise
+            if dist.launch_rank() == 0:
+                sys.stderr.write("interrupted: the run stopped on Ctrl-C (results are published only when complete; "
+                                 "an earlier result stays as it was)\n")
+            raise SystemExit(130) from None
 
 
 def command_line_keys(argv: list[str]) -> set[str]:
@@ -247,9 +287,17 @@ def resolve_prune_request(cfg: Namespace, given: set[str]) -> None:
     cfg.prune.layers = None
 
 
+def parse_args(parser, argv: list[str]) -> Namespace:
+    """``parser.parse_args`` with our argv conventions; a refused command line is a :class:`UsageError`."""
+    try:
+        return parser.parse_args(preprocess_argv(argv, parser))
+    except ArgumentError as e:
+        raise UsageError(_one_line(e)) from None
+
+
 def parse(parser: LightningArgumentParser, argv: list[str]) -> tuple[Namespace, str]:
     """Parsed config (command-line rules applied) and its fully resolved YAML."""
-    cfg = parser.parse_args(preprocess_argv(argv, parser))
+    cfg = parse_args(parser, argv)
     resolve_prune_request(cfg, command_line_keys(argv))
     try:
         resolved = parser.dump(cfg, skip_none=False)
@@ -319,11 +367,6 @@ def train_main(argv: list[str] | None = None):
         setup_logging()
         parser = train_parser()
         cfg, resolved = parse(parser, args)
-        from .. import dist
-        from ..outputs import prepare_output
-
-        if dist.launch_rank() == 0 and cfg.ckpt_path is None:
-            prepare_output(cfg.output_dir, cfg.overwrite)  # before building anything
         init = parser.instantiate_classes(cfg)  # instantiates logger / callbacks, not the Trainer itself
         tkw = {k: v for k, v in vars(init.trainer).items() if not k.startswith("__")}
         every = tkw.get("val_check_interval") if isinstance(tkw.get("val_check_interval"), int) else None
@@ -375,6 +418,7 @@ def dataclass_parser(cfg_cls, description: str):
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     p = ArgumentParser(description=description, allow_abbrev=False, default_env=False)
+    p.exit_on_error = False
     p.add_class_arguments(cfg_cls, None)
     return p
 
@@ -386,7 +430,7 @@ def dataclass_main(cfg_cls, run: Callable, description: str, argv: list[str] | N
     def go(args):
         setup_logging()
         p = dataclass_parser(cfg_cls, description)
-        init = p.instantiate_classes(p.parse_args(preprocess_argv(args, p)))
+        init = p.instantiate_classes(parse_args(p, args))
         return run(cfg_cls(**{f.name: init[f.name] for f in dataclasses.fields(cfg_cls)}))
 
     return entry(go, argv)

@@ -1,0 +1,193 @@
+"""How a run stops: on Ctrl-C, SIGTERM or a dead peer every process of the run exits. Framework-free.
+
+Lightning turns Ctrl-C into a graceful shutdown (the callbacks' ``on_exception``, e.g. the stop
+checkpoint, then ``exit(1)``) and ignores any further Ctrl-C. Under DDP that shutdown can block for
+good: a rank waits in a collective (gloo and NCCL wait 30 minutes by default) for a peer that is
+stopping differently, or is dead. The entry points run inside :func:`guarded`, which adds:
+
+* a SIGINT handler that raises ``KeyboardInterrupt`` like Python's own, except inside a
+  *critical section* (:func:`enter_critical` / :func:`leave_critical`: from a model update to the
+  step counter that records it, where a stop checkpoint could not be resumed exactly); there the
+  interrupt is raised when the section ends;
+* a watcher thread that sees every SIGINT / SIGTERM through the signal wake-up fd, also while the
+  main thread is blocked in a collective: if the process is still alive ``grace`` seconds after
+  the first (``SHIFT_LIGHTNING_STOP_GRACE``, default 60), it exits by force (status 130 / 143);
+  a second Ctrl-C exits at once;
+* in a process launched as rank > 0: a parent watch. Lightning launches ranks 1..N-1 as children
+  of rank 0; when rank 0 dies (SIGKILL, the OOM killer) they exit within a second instead of
+  waiting in the rendezvous or a collective. Rank 0 records its pid for them
+  (``SHIFT_LIGHTNING_RANK0_PID``, inherited at launch), so a child that starts after rank 0 died
+  notices too. (Rank 0 watches its children already: Lightning's process observer ends the group
+  when one of them dies.)
+
+Forced exits write one line to stderr saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Iterator
+
+GRACE_ENV = "SHIFT_LIGHTNING_STOP_GRACE"
+RANK0_ENV = "SHIFT_LIGHTNING_RANK0_PID"
+DEFAULT_GRACE = 60.0
+
+
+class _State:
+    def __init__(self):
+        self.active = False
+        self.signals: list[int] = []  # SIGINT / SIGTERM seen by the watcher, in order
+        self.critical = 0
+        self.pending = False
+        self.handled = False  # the main thread took a Ctrl-C
+        self.timer: threading.Timer | None = None
+
+
+_state = _State()
+
+
+def interrupted() -> bool:
+    """Whether this process got SIGINT or SIGTERM while guarded."""
+    return bool(_state.signals) or _state.pending or _state.handled
+
+
+def _child_rank() -> int:
+    for key in ("LOCAL_RANK", "RANK"):
+        v = os.environ.get(key, "")
+        if v.isdigit() and int(v) > 0:
+            return int(v)
+    return 0
+
+
+def _say(line: str) -> None:
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
+
+
+def _force_exit(code: int, why: str) -> None:
+    _say(f"error: {why}")
+    os._exit(code)
+
+
+def _grace() -> float:
+    try:
+        return max(0.0, float(os.environ.get(GRACE_ENV, DEFAULT_GRACE)))
+    except ValueError:
+        return DEFAULT_GRACE
+
+
+# --------------------------------------------------------------------------------------------
+# Ctrl-C in the main thread
+# --------------------------------------------------------------------------------------------
+def _on_sigint(signum, frame):
+    _state.handled = True
+    if _state.critical > 0:
+        _state.pending = True
+        return
+    raise KeyboardInterrupt
+
+
+def enter_critical() -> None:
+    """From here until :func:`leave_critical`, Ctrl-C is held back (see the module docstring)."""
+    _state.critical += 1
+
+
+def leave_critical() -> None:
+    """End a critical section; a Ctrl-C that came during it is raised now."""
+    _state.critical = max(0, _state.critical - 1)
+    if _state.critical == 0 and _state.pending:
+        _state.pending = False
+        raise KeyboardInterrupt
+
+
+def reset_critical() -> None:
+    _state.critical, _state.pending = 0, False
+
+
+def rearm() -> None:
+    """Take Ctrl-C again (Lightning ignores it during its shutdown): a second one then exits at once."""
+    if _state.active and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+# --------------------------------------------------------------------------------------------
+# Watchers
+# --------------------------------------------------------------------------------------------
+def _watch_signals(sock: socket.socket, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            data = sock.recv(64)
+        except OSError:
+            return
+        if not data:
+            return
+        for signum in data:
+            if signum not in (signal.SIGINT, signal.SIGTERM):
+                continue
+            _state.signals.append(signum)
+            name = signal.Signals(signum).name
+            code = 128 + signum
+            if signum == signal.SIGINT and _state.signals.count(signal.SIGINT) >= 2:
+                _force_exit(code, "second Ctrl-C: stopping now")
+            if _state.timer is None:
+                grace = _grace()
+                _state.timer = threading.Timer(grace, _force_exit, (code, f"the run did not stop within {grace:g} s "
+                                                                          f"of {name}; exiting by force ({GRACE_ENV})"))
+                _state.timer.daemon = True
+                _state.timer.start()
+
+
+def _watch_parent(parent: int, rank: int, stop: threading.Event) -> None:
+    while not stop.wait(0.5):
+        if os.getppid() != parent:
+            _force_exit(1, f"rank {rank}: the process that launched it (rank 0, pid {parent}) is gone; exiting")
+
+
+@contextlib.contextmanager
+def guarded() -> Iterator[None]:
+    """Run the body with the guards of the module docstring (main thread only; else a no-op)."""
+    if _state.active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    rank = _child_rank()
+    old_handler = signal.getsignal(signal.SIGINT)
+    r, w = socket.socketpair()
+    w.setblocking(False)
+    old_fd = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+    signal.signal(signal.SIGINT, _on_sigint)
+    _state.__init__()
+    _state.active = True
+    stop = threading.Event()
+    threading.Thread(target=_watch_signals, args=(r, stop), name="shift-signal-watch", daemon=True).start()
+    old_env = os.environ.get(RANK0_ENV)
+    if rank > 0:
+        parent = int(old_env) if (old_env or "").isdigit() else os.getppid()
+        if os.getppid() != parent:
+            _force_exit(1, f"rank {rank}: the process that launched it (rank 0, pid {parent}) is gone; exiting")
+        threading.Thread(target=_watch_parent, args=(parent, rank, stop), name="shift-parent-watch", daemon=True).start()
+    else:
+        os.environ[RANK0_ENV] = str(os.getpid())  # inherited by the ranks Lightning launches
+    try:
+        yield
+    finally:
+        stop.set()
+        if _state.timer is not None and not _state.signals:
+            _state.timer.cancel()
+        _state.active = False
+        signal.set_wakeup_fd(old_fd)
+        signal.signal(signal.SIGINT, old_handler if old_handler is not None else signal.SIG_DFL)
+        if rank == 0:
+            if old_env is None:
+                os.environ.pop(RANK0_ENV, None)
+            else:
+                os.environ[RANK0_ENV] = old_env
+        w.close()
+        r.close()
+        sys.stderr.flush()
