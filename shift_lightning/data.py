@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 from torch.utils.data import Dataset
 
+from .errors import ConfigError
 from .sources import (DataError, _loads, _records_to_texts, load_texts, read_text_file,  # noqa: F401 (re-exported)
                       wiki_summaries, wiki_summaries_path)
 
@@ -48,6 +49,23 @@ class TextDataConfig:
     """``text``: documents, the loss on every token; ``alpaca``: instruction records (``instruction``,
     ``input``, ``output``) in the Stanford Alpaca prompt, one example per window (truncated, padded),
     the loss on the response only."""
+
+    def validate(self, option: str = "--data", optional: bool = False) -> None:
+        """Cheap checks before any model is loaded (``option``: how the command line names this set;
+        ``optional``: ``num_samples 0`` switches the set off)."""
+        least = 0 if optional else 1
+        for name, v, lo in (("num_samples", self.num_samples, least), ("seq_len", self.seq_len, 2),
+                            ("batch_size", self.batch_size, 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                off = " (0 switches it off)" if name == "num_samples" and optional else ""
+                raise ConfigError(f"{option}.{name} must be an integer >= {lo}{off}, got {v!r}")
+        if self.add_bos not in ("auto", "true", "false", True, False):
+            raise ConfigError(f"{option}.add_bos must be auto, true or false, got {self.add_bos!r}")
+        src = self.source
+        if src not in ("wiki_summaries", "wiki-summaries", "mixed") and not src.startswith("hf:") \
+                and not Path(src).expanduser().exists():
+            raise DataError(f"{option}.source not found: {src}. Use wiki_summaries, mixed, an existing "
+                            ".txt/.json/.jsonl file or folder, or hf:<dataset>[:<config>].")
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,8 +122,10 @@ class TokenWindows(Dataset):
         return TokenWindows(self.input_ids[indices], self.attention_mask[indices], lm)
 
 
-def make_windows(texts: list[str], tokenizer, cfg: TextDataConfig, model_type: str | None = None) -> TokenWindows:
-    """Cut documents into ``cfg.num_samples`` windows of ``cfg.seq_len`` tokens (see TextDataConfig)."""
+def make_windows(texts: list[str], tokenizer, cfg: TextDataConfig, model_type: str | None = None,
+                 option: str = "--data") -> TokenWindows:
+    """Cut documents into ``cfg.num_samples`` windows of ``cfg.seq_len`` tokens (see TextDataConfig);
+    ``option`` names the set in errors (``--heldout``, ``--train_data``, ...)."""
     if cfg.seq_len < 2 or cfg.num_samples < 1:
         raise DataError(f"seq_len must be >= 2 and num_samples >= 1 (got {cfg.seq_len}, {cfg.num_samples})")
     bos = wants_bos(tokenizer, model_type, cfg.add_bos)
@@ -135,16 +155,18 @@ def make_windows(texts: list[str], tokenizer, cfg: TextDataConfig, model_type: s
     if len(rows) < cfg.num_samples:
         raise DataError(
             f"Only {len(rows)} windows of {cfg.seq_len} tokens fit in the text (asked for {cfg.num_samples}); "
-            "lower --data.num_samples / --data.seq_len or give more text."
+            f"lower {option}.num_samples / {option}.seq_len or give more text."
         )
     return TokenWindows(torch.tensor(rows, dtype=torch.long), torch.tensor(masks, dtype=torch.long))
 
 
-def build_windows(cfg: TextDataConfig, tokenizer, model_type: str | None = None) -> TokenWindows:
-    """``load_texts`` + ``make_windows`` in one call (``alpaca``: ``load_records`` + ``make_alpaca_windows``)."""
+def build_windows(cfg: TextDataConfig, tokenizer, model_type: str | None = None,
+                  option: str = "--data") -> TokenWindows:
+    """``load_texts`` + ``make_windows`` in one call (``alpaca``: ``load_records`` + ``make_alpaca_windows``);
+    ``option`` names the set in errors."""
     if cfg.format == "alpaca":
-        return make_alpaca_windows(load_records(cfg.source, cfg.split), tokenizer, cfg, model_type)
-    return make_windows(load_texts(cfg.source, cfg.split, cfg.text_field), tokenizer, cfg, model_type)
+        return make_alpaca_windows(load_records(cfg.source, cfg.split), tokenizer, cfg, model_type, option)
+    return make_windows(load_texts(cfg.source, cfg.split, cfg.text_field), tokenizer, cfg, model_type, option)
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,8 +211,8 @@ def alpaca_prompt(record: dict) -> str:
     return (ALPACA_PROMPT if inp else ALPACA_PROMPT_NO_INPUT).format(instruction=record["instruction"], input=inp)
 
 
-def make_alpaca_windows(records: list[dict], tokenizer, cfg: TextDataConfig, model_type: str | None = None
-                        ) -> TokenWindows:
+def make_alpaca_windows(records: list[dict], tokenizer, cfg: TextDataConfig, model_type: str | None = None,
+                        option: str = "--data") -> TokenWindows:
     """One window per record: ``[BOS] prompt response EOS``, truncated to ``seq_len`` and right-padded;
     ``loss_mask`` marks the response and EOS tokens (the prompt is context, not target)."""
     if cfg.seq_len < 2 or cfg.num_samples < 1:
@@ -217,7 +239,7 @@ def make_alpaca_windows(records: list[dict], tokenizer, cfg: TextDataConfig, mod
             break
     if len(rows) < cfg.num_samples:
         raise DataError(f"Only {len(rows)} Alpaca records have a response within {cfg.seq_len} tokens (asked for "
-                        f"{cfg.num_samples}); lower --data.num_samples or raise --data.seq_len.")
+                        f"{cfg.num_samples}); lower {option}.num_samples or raise {option}.seq_len.")
     as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
     return TokenWindows(as_long(rows), as_long(masks), as_long(targets))
 

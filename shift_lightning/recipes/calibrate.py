@@ -58,7 +58,8 @@ class CalibrationResult:
     output_dir: Path | None = None
 
 
-def check_early(prune: PruneConfig, data: TextDataConfig, calibration: CalibrationConfig) -> None:
+def check_early(prune: PruneConfig, data: TextDataConfig, calibration: CalibrationConfig,
+                heldout: TextDataConfig | None = None) -> None:
     """Cheap validation before any model is loaded."""
     if prune.layers is None:
         if prune.criterion not in CRITERIA:
@@ -67,10 +68,28 @@ def check_early(prune: PruneConfig, data: TextDataConfig, calibration: Calibrati
     elif any((not isinstance(i, int)) or i < 0 for i in prune.layers):
         raise CriterionError(f"--prune.layers must be non-negative block indices, got {prune.layers}")
     src = data.source
-    if src not in ("wiki_summaries", "wiki-summaries") and not src.startswith("hf:") and not Path(src).expanduser().exists():
+    if src not in ("wiki_summaries", "wiki-summaries", "mixed") and not src.startswith("hf:") \
+            and not Path(src).expanduser().exists():
         raise DataError(f"Calibration data not found: {src}. Use --data.source wiki_summaries, an existing "
                         ".txt/.json/.jsonl file or folder, or hf:<dataset>[:<config>].")
+    data.validate("--data")
+    if heldout is not None and calibration.heldout:
+        heldout.validate("--heldout", optional=True)
     calibration.validate()
+
+
+def local_inputs(model: ModelConfig | None, **sets: TextDataConfig | None) -> dict[str, str]:
+    """The run's inputs that may be local paths, by option name (an output may not be, contain or lie
+    in one of them: :func:`~shift_lightning.outputs.check_not_input`)."""
+    out = {}
+    if model is not None and model.tiny is None:
+        out["--model.name_or_path"] = model.name_or_path
+        if model.gguf_file:
+            out["--model.gguf_file"] = str(Path(model.name_or_path).expanduser() / model.gguf_file)
+    for name, cfg in sets.items():
+        if cfg is not None:
+            out[f"--{name}.source"] = cfg.source
+    return out
 
 
 def make_trainer_factory(trainer: dict | L.Trainer | None) -> Callable[[], L.Trainer]:
@@ -119,8 +138,9 @@ def run_calibration(
     heldout = heldout if heldout is not None else default_heldout()
     prune, calibration = prune or PruneConfig(), calibration or CalibrationConfig()
     if dist.launch_rank() == 0:
-        prepare_output(output_dir, overwrite)
-    check_early(prune, data, calibration)
+        prepare_output(output_dir, overwrite, local_inputs(model_cfg if built is None else None, data=data,
+                                                           heldout=heldout))
+    check_early(prune, data, calibration, heldout)
     t0 = time.time()
 
     lm, tokenizer = built if built is not None else load_pretrained(model_cfg)
@@ -132,8 +152,9 @@ def run_calibration(
     else:
         num_to_remove(n_layers, prune.ratio)
     model_type = lm.config.model_type
-    windows = build_windows(data, tokenizer, model_type)
-    heldout_windows = build_windows(heldout, tokenizer, model_type) if (calibration.heldout and heldout.num_samples > 0) else None
+    windows = build_windows(data, tokenizer, model_type, "--data")
+    heldout_windows = build_windows(heldout, tokenizer, model_type, "--heldout") \
+        if (calibration.heldout and heldout.num_samples > 0) else None
     check_windows(lm, windows, "--data")  # before any pass
     if heldout_windows is not None:
         check_windows(lm, heldout_windows, "--heldout", fitting=False)

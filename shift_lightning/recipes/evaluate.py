@@ -41,6 +41,20 @@ def write_results(res: dict, folder: Path, extra: dict | None = None, resolved_c
         (folder / "config.yaml").write_text(resolved_config)
 
 
+def eval_inputs(model_cfg: ModelConfig, cfg: EvalConfig) -> dict[str, str]:
+    """The evaluation's local inputs by option name (the output may not be, contain or lie in one)."""
+    from .calibrate import local_inputs
+
+    out = local_inputs(model_cfg)
+    out["--data_dir"] = cfg.data_dir
+    for task, f in (cfg.data_files or {}).items():
+        out[f"--data_files {task}"] = f
+    ppl = cfg.ppl.split(",") if isinstance(cfg.ppl, str) else list(cfg.ppl or [])
+    for p in ppl:
+        out[f"--ppl {p.strip()}"] = p.strip()
+    return out
+
+
 def run_evaluation(model_cfg: ModelConfig, cfg: EvalConfig, trainer: dict | None = None,
                    output_dir: str | None = None, overwrite: bool = False,
                    resolved_config: str | None = None) -> EvaluationResult:
@@ -49,7 +63,7 @@ def run_evaluation(model_cfg: ModelConfig, cfg: EvalConfig, trainer: dict | None
     import lightning as L
 
     if dist.launch_rank() == 0:
-        prepare_output(output_dir, overwrite)
+        prepare_output(output_dir, overwrite, eval_inputs(model_cfg, cfg))
     if cfg.tasks:
         parse_tasks(cfg.tasks)  # unknown task names fail before loading the model
     model, tokenizer = load_pretrained(model_cfg)
