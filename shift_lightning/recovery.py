@@ -40,15 +40,14 @@ from typing import Literal
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Sampler
 
-from . import dist
+from . import dist, stopping
 from .arch import base_model, decoder_layers
-from .data import RankShard, TokenWindows
 from .errors import ConfigError
 from .nll import lm_nll_sum
 from .calibration.sites import pruned_positions
 from .checkpoint import save_pretrained
+from .stepdata import RecoveryData, StepBatchSampler  # noqa: F401 (re-exported)
 from .surgery import adapter_module_names, adapter_set
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -96,6 +95,30 @@ class RecoveryConfig:
     """Recompute each block's activations in the backward pass instead of keeping them: training
     memory drops to about the model plus one block's activations, for about a third more compute."""
 
+    def validate(self) -> None:
+        """Cheap checks before anything is loaded or calibrated."""
+        if self.method not in ("lora", "partial", "lra"):
+            raise ConfigError(f"--recovery.method must be 'lora', 'partial' or 'lra', got {self.method!r}")
+        positive = {"lr": self.lr, "lra_lr": self.lra_lr}
+        for name, v in positive.items():
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"--recovery.{name} must be a finite number > 0, got {v}")
+        for name, v, lo in (("lora_r", self.lora_r, 1), ("lora_alpha", self.lora_alpha, 1),
+                            ("loss_chunk_tokens", self.loss_chunk_tokens, 1), ("val_kl_topk", self.val_kl_topk, 1),
+                            ("warmup_steps", self.warmup_steps, 0)):
+            if not isinstance(v, int) or v < lo:
+                raise ConfigError(f"--recovery.{name} must be an integer >= {lo}, got {v}")
+        if not (0 <= self.lora_dropout < 1):
+            raise ConfigError(f"--recovery.lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"--recovery.weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if not (0 <= self.min_lr_ratio <= 1):
+            raise ConfigError(f"--recovery.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.method == "lora" and not self.target_modules:
+            raise ConfigError("--recovery.target_modules is empty: LoRA would wrap nothing")
+        if self.partial_blocks is not None and any(not isinstance(i, int) or i < 0 for i in self.partial_blocks):
+            raise ConfigError(f"--recovery.partial_blocks must be block positions >= 0, got {self.partial_blocks}")
+
 
 class RecoveryModule(L.LightningModule):
     """Fine-tunes a corrected model; see the module docstring for what it logs and checkpoints."""
@@ -105,8 +128,7 @@ class RecoveryModule(L.LightningModule):
         super().__init__()
         self.reference = reference  # val window index -> the original's TopK (val/kl, val/top1); plain attribute
         self.cfg = cfg = cfg or RecoveryConfig()
-        if cfg.method not in ("lora", "partial", "lra"):
-            raise ConfigError(f"recovery.method must be 'lora', 'partial' or 'lra', got {cfg.method!r}")
+        cfg.validate()
         if cfg.method == "lra" and adapter_set(model) is None:
             raise ConfigError("recovery.method='lra' needs a model with adapters (a calibrated folder)")
         self.train_lra = cfg.train_lra or cfg.method == "lra"
@@ -117,6 +139,13 @@ class RecoveryModule(L.LightningModule):
         self.model = self._wrap(model)
         self.strict_loading = False  # checkpoints hold the trainable tensors only
         self.loss_history: list[float] = []
+        """Mean training loss of every micro-batch since step 0 (kept in the checkpoints across resumes)."""
+        self.metrics_before: dict = {}
+        """The step-0 validation (kept in the checkpoints: a resumed run reports it too)."""
+        self.run_info: dict | None = None
+        """The settings of the run (:func:`~shift_lightning.resume.run_settings`), recorded in every checkpoint."""
+        self.last_validated_step: int | None = None
+        self._updating = False
         self._t_last: float | None = None
         self._val_nll = self._val_tokens = None
 
@@ -199,8 +228,11 @@ class RecoveryModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         keep = self.trainable_names()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+        done = self.global_step * self.trainer.accumulate_grad_batches  # micro-batches of completed steps
         checkpoint["shift_lightning"] = {"trainable": sorted(keep), "method": self.cfg.method,
-                                         "train_lra": self.train_lra}
+                                         "train_lra": self.train_lra, "run": self.run_info,
+                                         "loss_history": list(self.loss_history[:done]),
+                                         "metrics_before": dict(self.metrics_before)}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         keep = self.trainable_names()
@@ -208,11 +240,28 @@ class RecoveryModule(L.LightningModule):
         if have != keep:
             raise ConfigError(f"The checkpoint trains {len(have)} tensors, this run {len(keep)} "
                               f"(e.g. {sorted(have ^ keep)[:3]}): resume with the same --recovery.* settings")
+        rec = checkpoint.get("shift_lightning", {})
+        self.loss_history = [float(x) for x in rec.get("loss_history", [])]
+        self.metrics_before = dict(rec.get("metrics_before", {}))
 
     # ---------------------------------------------------------------- steps
     def on_train_start(self) -> None:
         self.model.train()  # loaded models come in eval mode; LoRA dropout must be active while training
         self._t_last = None
+        self._updating = False
+        stopping.reset_critical()
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        """The update, with Ctrl-C held back from the moment the weights change until the step is
+        counted (``on_train_batch_end``): a stop checkpoint then always holds a whole step."""
+        def closure():
+            out = optimizer_closure() if optimizer_closure is not None else None
+            if not self._updating:
+                self._updating = True
+                stopping.enter_critical()
+            return out
+
+        optimizer.step(closure=closure)
 
     def _nll(self, batch, keep_hidden: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -252,6 +301,9 @@ class RecoveryModule(L.LightningModule):
         for g in groups:
             if g.get("name") == "lra":
                 self.log("train/lra_lr", g["lr"], batch_size=1)
+        if self._updating:  # the step is counted and the scheduler has stepped: a held-back Ctrl-C is raised now
+            self._updating = False
+            stopping.leave_critical()
 
     def on_validation_epoch_start(self) -> None:
         self._val_nll = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -284,6 +336,8 @@ class RecoveryModule(L.LightningModule):
             metrics["val/kl"] = float(self._val_close[0] / self._val_close[2])
             metrics["val/top1"] = float(self._val_close[1] / self._val_close[2])
         # logged at the number of optimizer steps taken (0 before training), like zeroshot/*
+        if not self.trainer.sanity_checking:
+            self.last_validated_step = self.trainer.global_step
         for name, v in metrics.items():
             self.log(name, v, prog_bar=name == "val/ppl", logger=False, sync_dist=False)
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
@@ -317,74 +371,3 @@ def warmup_cosine(warmup: int, total: int, floor: float = 0.1):
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
 
     return lr_lambda
-
-
-class StepBatchSampler(Sampler[list[int]]):
-    """Micro-batches ``position() … total−1`` of one deterministic stream of sample indices.
-
-    The stream concatenates seeded permutations of the ``n`` samples (epoch ``e``: seed + e). The
-    global micro-batch ``m`` is ``stream[m·B·W : (m+1)·B·W]``; rank ``r`` takes its ``r``-th slice of
-    ``B``. So ``W`` processes of batch ``B`` see exactly the global batches of 1 process of batch
-    ``B·W``. Iteration starts at the micro-step ``position()`` (the trainer's ``global_step ×
-    accumulate_grad_batches``, read when iteration begins), so a resumed run continues the same
-    stream; the length is always ``total`` (Lightning counts the batches already done itself).
-    """
-
-    def __init__(self, n: int, batch_size: int, rank: int, world: int, seed: int, total: int,
-                 position=lambda: 0):
-        self.n, self.b, self.rank, self.world, self.seed = n, batch_size, rank, world, seed
-        self.total, self.position = total, position
-        self.start = 0
-        self._perm_epoch, self._perm = -1, None
-
-    def _index(self, p: int) -> int:
-        e, i = divmod(p, self.n)
-        if e != self._perm_epoch:
-            g = torch.Generator().manual_seed(self.seed + e)
-            self._perm, self._perm_epoch = torch.randperm(self.n, generator=g).tolist(), e
-        return self._perm[i]
-
-    def __iter__(self):
-        gb = self.b * self.world
-        self.start = self.position()
-        for m in range(self.start, self.total):
-            pos = m * gb + self.rank * self.b
-            yield [self._index(p) for p in range(pos, pos + self.b)]
-
-    def __len__(self) -> int:
-        return self.total
-
-
-class _StepLoader(DataLoader):
-    """A DataLoader Lightning treats as resumable: its position is the trainer's step (see
-    :class:`StepBatchSampler`), so the saved state only records it."""
-
-    def state_dict(self) -> dict:
-        s = self.batch_sampler
-        return {"start": s.start, "total": s.total, "seed": s.seed}
-
-    def load_state_dict(self, state: dict) -> None:  # the position is re-derived from global_step
-        pass
-
-
-class RecoveryData(L.LightningDataModule):
-    """Training windows in a step-indexed order (:class:`StepBatchSampler`) and validation windows
-    (sharded without repetition). Use with ``Trainer(use_distributed_sampler=False)``."""
-
-    def __init__(self, train: TokenWindows, val: TokenWindows | None, batch_size: int = 4, seed: int = 0):
-        super().__init__()
-        self.train, self.val, self.batch_size, self.seed = train, val, batch_size, seed
-
-    def train_dataloader(self):
-        t = self.trainer
-        accum = t.accumulate_grad_batches
-        total = max(int(t.max_steps), 0) * accum
-        sampler = StepBatchSampler(len(self.train), self.batch_size, t.global_rank, t.world_size, self.seed,
-                                   total=total, position=lambda: t.global_step * accum)
-        return _StepLoader(self.train, batch_sampler=sampler)
-
-    def val_dataloader(self):
-        if self.val is None:
-            return []
-        t = self.trainer
-        return DataLoader(self.val, batch_size=self.batch_size, sampler=RankShard(len(self.val), t.global_rank, t.world_size))

@@ -34,6 +34,9 @@ from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
 from ..recovery import RecoveryConfig, RecoveryData, RecoveryModule
 from ..checkpoint import is_shift_folder, load_pretrained, read_shift_config
+from ..resume import (AtomicCheckpointIO, check_checkpoint_dir, check_run, clear_checkpoints, read_checkpoint,
+                      resolve_resume, run_key, run_settings)
+from .calibrate import check_early, local_inputs
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +109,8 @@ def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, o
         if not overwrite:
             raise ConfigError(f"{calib_dir} holds a calibration with other settings; pass --overwrite to redo it or "
                               "choose another --output_dir")
+    if calib_dir is not None and dist.launch_rank() == 0:
+        prepare_output(calib_dir, overwrite=True)  # replaced below: never a foreign folder or a file someone added
     built = load_pretrained(model_cfg)
     if on_original is not None:
         on_original(*built)
@@ -142,8 +147,33 @@ def run_training(
     model_cfg = model or ModelConfig()
     recovery = recovery or RecoveryConfig()
     train_data = train_data or TextDataConfig(num_samples=256, seed=1)
-    if dist.launch_rank() == 0 and ckpt_path is None:
-        prepare_output(output_dir, overwrite)
+    calib = {"data": data or TextDataConfig(), "heldout": heldout or TextDataConfig(split="heldout", num_samples=16),
+             "prune": prune or PruneConfig(), "calibration": calibration or CalibrationConfig()}
+    calibrating = built is None and not (model_cfg.tiny is None and is_shift_folder(model_cfg.name_or_path))
+    # every check before any compute (and before the calibration this job may run first)
+    recovery.validate()
+    train_data.validate("--train_data")
+    if val is not None:
+        val.validate("--val", optional=True)
+    if calibrating:
+        check_early(calib["prune"], calib["data"], calib["calibration"], calib["heldout"])
+    check_schedule(trainer, val)
+    ckpt_dir = checkpoint_dir(output_dir) if output_dir else None
+    sections = {"model": model_cfg, **(calib if calibrating else {}), "train_data": train_data, "val": val,
+                "recovery": recovery}
+    if built is not None:
+        sections = {"spec": {k: built[2].get(k) for k in ("original_num_layers", "pruned_layers")}, **sections}
+        sections.pop("model")
+    settings = run_settings(sections, trainer)
+    resume_from = resolve_resume(ckpt_path, ckpt_dir)
+    resumed = read_checkpoint(resume_from) if resume_from is not None else None
+    if resumed is not None:
+        check_run(resumed, resume_from, settings)
+    if dist.launch_rank() == 0:
+        prepare_output(output_dir, overwrite or resumed is not None,  # a resumed run replaces its own result
+                       local_inputs(model_cfg if built is None else None, data=calib["data"] if calibrating else None,
+                                    heldout=calib["heldout"] if calibrating else None, train_data=train_data, val=val))
+        check_checkpoint_dir(ckpt_dir, resuming=resumed is not None, overwrite=overwrite)
     t0 = time.time()
     closeness: dict = {}
 
@@ -151,7 +181,7 @@ def run_training(
         if recovery.val_kl and val is not None and val.num_samples > 0:
             from ..fidelity import window_references
 
-            w = build_windows(val, tokenizer, original.config.model_type)
+            w = build_windows(val, tokenizer, original.config.model_type, "--val")
             closeness["ref"] = window_references(original, w.input_ids, w.attention_mask, recovery.val_kl_topk,
                                                  val.batch_size)
 
@@ -160,8 +190,6 @@ def run_training(
         if reference is not None:
             record(reference, tokenizer)
     else:
-        calib = {"data": data or TextDataConfig(), "heldout": heldout or TextDataConfig(split="heldout", num_samples=16),
-                 "prune": prune or PruneConfig(), "calibration": calibration or CalibrationConfig()}
         lm, tokenizer, spec = _calibrated_model(trainer, model_cfg, calib, output_dir, overwrite, resolved_config, record)
     spec = {k: v for k, v in spec.items() if k not in ("adapters", "format_version", "weights", "base_model",
                                                        "branch_maps")}
@@ -169,19 +197,31 @@ def run_training(
     spec.setdefault("pruned_layers", [])
     t_cal = time.time()
     model_type = lm.config.model_type
-    train_w = build_windows(train_data, tokenizer, model_type)
-    val_w = build_windows(val, tokenizer, model_type) if val is not None and val.num_samples > 0 else None
+    train_w = build_windows(train_data, tokenizer, model_type, "--train_data")
+    val_w = build_windows(val, tokenizer, model_type, "--val") if val is not None and val.num_samples > 0 else None
     module = RecoveryModule(lm, recovery, spec.get("pruned_layers"), spec.get("original_num_layers"), tokenizer=tokenizer,
                             reference=closeness.get("ref"))
     n_train = sum(p.numel() for p in module.parameters() if p.requires_grad)
     dm = RecoveryData(train_w, val_w, batch_size=train_data.batch_size, seed=recovery.seed)
+    module.run_info = {"key": run_key(settings), "settings": settings}
     before = {}
-    if val_w is not None and ckpt_path is None:  # one validation at step 0 (val/ppl, zeroshot/*)
+    if resumed is not None:  # the step-0 validation of the run being resumed
+        before = dict(resumed["shift_lightning"].get("metrics_before", {}))
+    elif val_w is not None:  # one validation at step 0 (val/ppl, zeroshot/*)
         trainer.validate(module, datamodule=dm, verbose=False)
         before = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    module.metrics_before = before
+    if resumed is None and trainer.is_global_zero:
+        clear_checkpoints(ckpt_dir)  # an earlier run's (checked above: only with --overwrite)
+    dist.barrier()
+    after = {}
     if trainer.max_steps != 0:
-        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)  # nothing unpickled
-    after = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        trainer.fit(module, datamodule=dm, ckpt_path=str(resume_from) if resumed is not None else None,
+                    weights_only=True)  # nothing unpickled
+        after = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        if val_w is not None and module.last_validated_step != trainer.global_step:
+            trainer.validate(module, datamodule=dm, verbose=False)  # the final model is always validated
+    after.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     steps = trainer.global_step
     report = {
         "model": model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny},
@@ -201,9 +241,21 @@ def run_training(
             if resolved_config:
                 (tmp / "config.yaml").write_text(resolved_config)
 
-        publish_dir(output_dir, write, kind="recovery", overwrite=True)
+        publish_dir(output_dir, write, kind="recovery", overwrite=overwrite or resumed is not None)
     dist.barrier()
     return RecoveryResult(report, module, Path(output_dir) if output_dir else None)
+
+
+def check_schedule(trainer: L.Trainer, val: TextDataConfig | None) -> None:
+    """Warn when no validation falls inside the training (the final model is validated anyway)."""
+    every, steps = trainer.val_check_interval, trainer.max_steps
+    if val is None or val.num_samples == 0 or not isinstance(every, int) or steps is None or steps <= 0:
+        return
+    batches = steps * trainer.accumulate_grad_batches
+    if every > batches:
+        log.warning("--trainer.val_check_interval %d is more than the %d training batches (--trainer.max_steps %d): "
+                    "no validation during training, and no periodic checkpoint; the final model is validated once "
+                    "at the end", every, batches, steps)
 
 
 def training_callbacks(output_dir: str | None, zeroshot: EvalConfig | None, every_n_steps: int | None) -> list:
@@ -217,7 +269,7 @@ def training_callbacks(output_dir: str | None, zeroshot: EvalConfig | None, ever
         ckpt = checkpoint_dir(output_dir)
         cbs.append(ModelCheckpoint(dirpath=str(ckpt), filename="step{step}", save_top_k=0, save_last=True,
                                    every_n_train_steps=every_n_steps or None, save_on_train_epoch_end=False,
-                                   auto_insert_metric_name=False))
+                                   auto_insert_metric_name=False, enable_version_counter=False))
         cbs.append(CheckpointOnStop(ckpt))
     if zeroshot is not None and zeroshot.tasks:
         cbs.append(ZeroShotAccuracy(zeroshot, when=("validation_end",)))
@@ -225,19 +277,45 @@ def training_callbacks(output_dir: str | None, zeroshot: EvalConfig | None, ever
 
 
 class CheckpointOnStop(L.Callback):
-    """Write ``last.ckpt`` when training stops on an exception (Ctrl-C, a crash, a preempted job)."""
+    """Write ``last.ckpt`` when training stops on an exception (Ctrl-C, a crash, a dead peer, a preempted
+    job), and make every checkpoint write atomic (:class:`~shift_lightning.resume.AtomicCheckpointIO`).
+
+    Under DDP the stop checkpoint is written by rank 0 alone, without a collective: the other ranks may
+    be stopping at another point, or be dead (a barrier would wait for them forever). Ctrl-C is held
+    back during the update (:meth:`RecoveryModule.optimizer_step`), so it always holds a whole step.
+    A sharded (FSDP) run has no stop checkpoint (gathering it needs every rank)."""
 
     def __init__(self, dirpath: Path):
         self.dirpath = Path(dirpath)
 
+    def setup(self, trainer, pl_module, stage):
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
     def on_exception(self, trainer, pl_module, exception):
+        from .. import stopping
+
+        stopping.rearm()  # Lightning ignores Ctrl-C from here on: a second one should still end the process
+        stopping.reset_critical()
         if trainer.state.fn != "fit" or trainer.global_step == 0:
             return
+        path = self.dirpath / "last.ckpt"
         try:
-            trainer.save_checkpoint(str(self.dirpath / "last.ckpt"))
+            if trainer.world_size == 1:
+                trainer.save_checkpoint(str(path))
+            elif isinstance(trainer.strategy, FSDPStrategy):
+                if trainer.is_global_zero:
+                    log.warning("Stopped at step %d (%s): no stop checkpoint for a sharded run; resume from the "
+                                "last periodic one", trainer.global_step, type(exception).__name__)
+                return
+            else:  # replicated trainable state: rank 0 writes it alone (strategy.save_checkpoint: rank 0 only)
+                checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+                trainer.strategy.save_checkpoint(checkpoint, str(path))
             if trainer.is_global_zero:
                 log.warning("Stopped at step %d (%s): checkpoint in %s; resume with --ckpt_path last",
-                            trainer.global_step, type(exception).__name__, self.dirpath / "last.ckpt")
+                            trainer.global_step, type(exception).__name__, path)
         except Exception as e:  # never hide the original error
             log.warning("Could not write a checkpoint on stop: %s", e)
 
