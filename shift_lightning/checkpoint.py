@@ -12,7 +12,8 @@ of copying it; :func:`load_pretrained` rebuilds the pruned model from the base.
 
 :func:`load_pretrained` is the one public loader: a saved folder (checked before any weight is
 read: the record must be well formed, agree with ``config.json``, list exactly the adapters the
-weights hold, and every weight must be finite), or, unpruned, anything
+weights hold; every weight file must be complete safetensors, and every weight, of the model and of
+the adapters, finite), or, unpruned, anything
 :func:`shift_lightning.models.load_model` reads (HF id or folder, ``.gguf``, an embedded name, a
 tiny random config). Nothing is unpickled or executed (safetensors + JSON, no remote code).
 """
@@ -31,6 +32,7 @@ from .arch import decoder_layers
 from .lra import AdapterSpec, LinearResidualAdapter
 from .peers import fold_replaceme
 from .surgery import SurgeryError, adapter_set, attach_adapters, branch_maps, remove_blocks
+from .weightfiles import check_finite, check_safetensors_files, pickles_in, refusing_pickles
 
 SHIFT_CONFIG = "shift_config.json"
 LRA_WEIGHTS = "lra.safetensors"
@@ -315,7 +317,15 @@ def _load_shift_folder(path: Path, dtype, device):
     else:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False)
+        files = check_safetensors_files(path)
+        if not any(f.name != LRA_WEIGHTS for f in files.values()):
+            found = pickles_in(path)
+            raise SurgeryError(f"{path} holds no model.safetensors{f' (only {found}, which is never unpickled)' if found else ''}"
+                               "; the folder is damaged")
+        with refusing_pickles(path):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False,
+                                                         use_safetensors=True)
+        check_finite(model, path, files)
         tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
     pdtype = next(model.parameters()).dtype
     adapters = {}

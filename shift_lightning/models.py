@@ -279,7 +279,12 @@ def _load_hf(path: str, cfg: ModelConfig):
         tokenizer = AutoTokenizer.from_pretrained(path, **kw)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"Could not load a tokenizer from {path!r}: {e}") from e
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **kw)
+    from .weightfiles import check_finite, check_safetensors_files, refusing_pickles
+
+    files = check_safetensors_files(path)  # cut or damaged files are named before transformers trips on them
+    with refusing_pickles(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **kw)
+    check_finite(model, path, files)
     return model, tokenizer
 
 

@@ -301,7 +301,13 @@ class RecoveryModule(L.LightningModule):
         for g in groups:
             if g.get("name") == "lra":
                 self.log("train/lra_lr", g["lr"], batch_size=1)
-        if self._updating:  # the step is counted and the scheduler has stepped: a held-back Ctrl-C is raised now
+        self.end_of_update()
+
+    def end_of_update(self) -> None:
+        """The step is counted and the scheduler has stepped: a held-back Ctrl-C is raised now
+        (:class:`~shift_lightning.recipes.train.CheckpointOnStop` calls it before the periodic checkpoint
+        callback, so a stopping rank never enters that checkpoint's collective)."""
+        if self._updating:
             self._updating = False
             stopping.leave_critical()
 

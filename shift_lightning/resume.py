@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import pickle
+import warnings
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,10 @@ from .outputs import OutputError, OutputExistsError, is_write_failure, write_fai
 
 log = logging.getLogger(__name__)
 
-#: Trainer settings that change what a run computes (the rest, e.g. devices or logging, does not).
-TRAINER_KEYS = ("max_steps", "accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm", "precision")
+#: Trainer settings that change what a run computes (world_size: the global batch and the data order;
+#: the rest, e.g. logging or the accelerator, does not).
+TRAINER_KEYS = ("max_steps", "accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm", "precision",
+                "world_size")
 
 
 def run_settings(sections: dict[str, Any], trainer=None) -> dict[str, Any]:
@@ -68,7 +71,9 @@ def read_checkpoint(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"--ckpt_path {path}: no such checkpoint file")
     try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about the pickle protocol before refusing it
+            warnings.simplefilter("ignore")
+            ck = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{path} cannot be loaded as plain tensors ({why[:160]}): it is damaged or holds Python "

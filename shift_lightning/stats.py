@@ -40,6 +40,7 @@ and for rank r < d it returns the optimal rank-r solution of the *same* ridge ob
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -233,6 +234,8 @@ def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = Non
     elif kind != "residual":
         raise ValueError(f"kind must be 'residual' or 'affine', got {kind!r}")
     Sxx = 0.5 * (Sxx + Sxx.T)
+    if not (math.isfinite(damping) and damping > 0):  # the configs refuse it first; a direct call too
+        raise SolveError(f"{stats.name}: the relative damping must be a finite number > 0, got {damping}")
     lam = damping * Sxx.diagonal().mean().clamp_min(1e-12)
     H = Sxx + lam * torch.eye(d, dtype=Sxx.dtype, device=Sxx.device)
     L, info = torch.linalg.cholesky_ex(H)

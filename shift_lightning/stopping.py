@@ -1,4 +1,4 @@
-"""How a run stops: on Ctrl-C, SIGTERM or a dead peer every process of the run exits. Framework-free.
+"""How a run stops: on Ctrl-C, SIGTERM or a dead peer every process of the run exits.
 
 Lightning turns Ctrl-C into a graceful shutdown (the callbacks' ``on_exception``, e.g. the stop
 checkpoint, then ``exit(1)``) and ignores any further Ctrl-C. Under DDP that shutdown can block for
@@ -13,8 +13,12 @@ stopping differently, or is dead. The entry points run inside :func:`guarded`, w
   main thread is blocked in a collective: if the process is still alive ``grace`` seconds after
   the first (``SHIFT_LIGHTNING_STOP_GRACE``, default 60), it exits by force (status 130 / 143);
   a second Ctrl-C exits at once;
+* under DDP, SIGTERM taken back from Lightning once a Trainer runs (:class:`SigtermAsInterrupt`,
+  added by :func:`with_signal_guard`): Lightning's own SIGTERM handler runs a collective inside the
+  handler, and when the signal reaches every rank (``kill -TERM`` to the group, a scheduler) the
+  ranks run unmatched collectives and hang; SIGTERM then stops the run like Ctrl-C;
 * in a process launched as rank > 0: a parent watch. Lightning launches ranks 1..N-1 as children
-  of rank 0; when rank 0 dies (SIGKILL, the OOM killer) they exit within a second instead of
+  of rank 0; when rank 0 dies (SIGKILL, the OOM killer) they exit within seconds instead of
   waiting in the rendezvous or a collective. Rank 0 records its pid for them
   (``SHIFT_LIGHTNING_RANK0_PID``, inherited at launch), so a child that starts after rank 0 died
   notices too. (Rank 0 watches its children already: Lightning's process observer ends the group
@@ -44,7 +48,7 @@ class _State:
         self.signals: list[int] = []  # SIGINT / SIGTERM seen by the watcher, in order
         self.critical = 0
         self.pending = False
-        self.handled = False  # the main thread took a Ctrl-C
+        self.handled: int | None = None  # the signal the main thread took first
         self.timer: threading.Timer | None = None
 
 
@@ -53,7 +57,14 @@ _state = _State()
 
 def interrupted() -> bool:
     """Whether this process got SIGINT or SIGTERM while guarded."""
-    return bool(_state.signals) or _state.pending or _state.handled
+    return bool(_state.signals) or _state.pending or _state.handled is not None
+
+
+def stop_signal() -> int | None:
+    """The signal that stopped this process (SIGINT or SIGTERM), or None."""
+    if _state.signals:
+        return _state.signals[0]
+    return _state.handled if _state.handled is not None else (signal.SIGINT if _state.pending else None)
 
 
 def _child_rank() -> int:
@@ -87,7 +98,8 @@ def _grace() -> float:
 # Ctrl-C in the main thread
 # --------------------------------------------------------------------------------------------
 def _on_sigint(signum, frame):
-    _state.handled = True
+    if _state.handled is None:
+        _state.handled = signum
     if _state.critical > 0:
         _state.pending = True
         return
@@ -109,6 +121,17 @@ def leave_critical() -> None:
 
 def reset_critical() -> None:
     _state.critical, _state.pending = 0, False
+
+
+def disarm() -> None:
+    """Cancel a pending forced exit (a process that goes on after a guarded run, e.g. a test)."""
+    if _state.timer is not None:
+        _state.timer.cancel()
+
+
+def armed() -> bool:
+    """Whether a forced exit is pending (a signal was seen)."""
+    return _state.timer is not None and _state.timer.is_alive()
 
 
 def rearm() -> None:
@@ -147,6 +170,8 @@ def _watch_signals(sock: socket.socket, stop: threading.Event) -> None:
 def _watch_parent(parent: int, rank: int, stop: threading.Event) -> None:
     while not stop.wait(0.5):
         if os.getppid() != parent:
+            if stop.wait(2.0):  # rank 0 finished just before this rank did: a normal end
+                return
             _force_exit(1, f"rank {rank}: the process that launched it (rank 0, pid {parent}) is gone; exiting")
 
 
@@ -191,3 +216,36 @@ def guarded() -> Iterator[None]:
         w.close()
         r.close()
         sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------------------------
+# SIGTERM under DDP
+# --------------------------------------------------------------------------------------------
+import lightning as L  # noqa: E402  (the rest of the module is framework-free)
+
+
+class SigtermAsInterrupt(L.Callback):
+    """Under DDP, once the Trainer has installed its signal handlers, SIGTERM raises
+    ``KeyboardInterrupt`` (held back during the update, like Ctrl-C) instead of running Lightning's
+    handler (see the module docstring)."""
+
+    def _take(self, trainer) -> None:
+        if _state.active and trainer.world_size > 1 and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _on_sigint)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._take(trainer)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._take(trainer)
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self._take(trainer)
+
+
+def with_signal_guard(trainer_kwargs: dict) -> dict:
+    """``Trainer`` keyword arguments with a :class:`SigtermAsInterrupt` in the callbacks."""
+    callbacks = list(trainer_kwargs.get("callbacks") or [])
+    if not any(isinstance(c, SigtermAsInterrupt) for c in callbacks):
+        callbacks.append(SigtermAsInterrupt())
+    return {**trainer_kwargs, "callbacks": callbacks}

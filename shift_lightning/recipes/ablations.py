@@ -124,8 +124,14 @@ def domain_source(name: str, cache: Path) -> str:
 
 
 def run(cfg: AblationConfig) -> Path:
+    from ..outputs import prepare_file
+    from .reproduce import check_config
+
+    check_config(cfg.grid)  # before any model is loaded
+    for x in cfg.dampings:
+        CalibrationConfig(damping=x).validate()
     folder = Path(cfg.out) / harness.model_key(cfg.model)
-    folder.mkdir(parents=True, exist_ok=True)
+    prepare_file(folder / "original.json")  # writable (no folder is made before a result is)
     if cfg.render_only:
         tables.render(folder, cfg)
         return folder

@@ -28,6 +28,7 @@ from ..errors import ConfigError
 from ..models import ModelConfig, num_params
 from ..outputs import prepare_output, publish_dir
 from ..progress import with_stage_progress
+from ..stopping import with_signal_guard
 from ..selection import select_blocks
 from ..calibration import pruned_positions
 from ..checkpoint import load_pretrained, save_adapters, save_pretrained
@@ -97,7 +98,7 @@ def make_trainer_factory(trainer: dict | L.Trainer | None) -> Callable[[], L.Tra
     or one built from ``trainer`` keyword arguments over :data:`TRAINER_DEFAULTS`."""
     if isinstance(trainer, L.Trainer):
         return lambda: trainer
-    kwargs = with_stage_progress({**TRAINER_DEFAULTS, **(trainer or {})})
+    kwargs = with_signal_guard(with_stage_progress({**TRAINER_DEFAULTS, **(trainer or {})}))
     cache: list[L.Trainer] = []
 
     def make() -> L.Trainer:  # one Trainer serves every pass (criteria, statistics, held-out)

@@ -40,7 +40,9 @@ CONFIG_DIRS = (Path.cwd() / "configs", Path(__file__).resolve().parents[2] / "co
 _QUIET = (".*predict returned None.*", ".*isinstance\\(treespec, LeafSpec\\).*", ".*does not have many workers.*",
           ".*module\\(s\\) in eval mode at the start of training.*", ".*is_gradient_checkpointing.*",
           ".*LeafSpec.*", ".*`tensorboardX` has been removed.*", ".*Checkpoint directory .* exists and is not empty.*",
-          ".*Total length of `DataLoader` across ranks is zero.*", ".*The number of training batches.*")
+          ".*Total length of `DataLoader` across ranks is zero.*", ".*The number of training batches.*",
+          ".*Detected pickle protocol.*",
+          ".*It is recommended to use `self.log\\('val/.*sync_dist=True.*")  # val/* are summed over ranks already  # a refused pickle says so in one line of its own
 
 
 def quiet_third_party() -> None:
@@ -251,16 +253,25 @@ def entry(run: Callable[[list[str]], object], argv: list[str] | None = None):
                 sys.stderr.write(f"  cause: {type(e.__cause__).__name__}: {_one_line(e.__cause__)}\n")
             sys.stderr.write("  (run again with --debug for the traceback)\n")
             raise SystemExit(2) from None
-        except (KeyboardInterrupt, SystemExit) as e:
-            # Lightning turns Ctrl-C inside a Trainer call into sys.exit(1) after its shutdown
-            if isinstance(e, SystemExit) and not (stopping.interrupted() and e.code not in (0, None, 2)):
+        except BaseException as e:
+            # Lightning turns Ctrl-C inside a Trainer call into sys.exit(1) after its shutdown, and SIGTERM
+            # into SIGTERMException (a SystemExit with status 0); under DDP a rank may also fail in a
+            # collective with a peer that is already stopping: after a stop signal, all of it is the stop
+            import signal
+
+            sig = signal.SIGTERM if type(e).__name__ == "SIGTERMException" else stopping.stop_signal()
+            if isinstance(e, KeyboardInterrupt):
+                sig = sig or signal.SIGINT
+            elif sig is None or (isinstance(e, SystemExit) and type(e).__name__ != "SIGTERMException"
+                                 and e.code in (0, None, 2)):
                 raise
             if debug:
                 raise
             if dist.launch_rank() == 0:
-                sys.stderr.write("interrupted: the run stopped on Ctrl-C (results are published only when complete; "
+                name = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
+                sys.stderr.write(f"interrupted: the run stopped on {name} (results are published only when complete; "
                                  "an earlier result stays as it was)\n")
-            raise SystemExit(130) from None
+            raise SystemExit(128 + sig) from None
 
 
 def command_line_keys(argv: list[str]) -> set[str]:
@@ -362,6 +373,7 @@ def train_main(argv: list[str] | None = None):
         import json
 
         from ..progress import with_stage_progress
+        from ..stopping import with_signal_guard
         from .train import run_training, training_callbacks
 
         setup_logging()
@@ -372,7 +384,7 @@ def train_main(argv: list[str] | None = None):
         every = tkw.get("val_check_interval") if isinstance(tkw.get("val_check_interval"), int) else None
         zeroshot = init.zeroshot if init.zeroshot.tasks else None
         tkw["callbacks"] = list(tkw.get("callbacks") or []) + training_callbacks(cfg.output_dir, zeroshot, every)
-        trainer = Trainer(**with_stage_progress(tkw))
+        trainer = Trainer(**with_signal_guard(with_stage_progress(tkw)))
         result = run_training(trainer, model=init.model, data=init.data, heldout=init.heldout, prune=init.prune,
                               calibration=init.calibration, train_data=init.train_data, val=init.val,
                               recovery=init.recovery, output_dir=cfg.output_dir, overwrite=cfg.overwrite,

@@ -14,6 +14,7 @@ from ..evaluation.tasks import parse_tasks
 from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
 from ..progress import with_stage_progress
+from ..stopping import with_signal_guard
 from ..checkpoint import load_pretrained
 
 #: Trainer defaults for evaluation runs (``--trainer.*`` overrides them).
@@ -68,7 +69,7 @@ def run_evaluation(model_cfg: ModelConfig, cfg: EvalConfig, trainer: dict | None
         parse_tasks(cfg.tasks)  # unknown task names fail before loading the model
     model, tokenizer = load_pretrained(model_cfg)
     module = EvalModule(model, tokenizer, cfg)
-    t = L.Trainer(**with_stage_progress({**EVAL_TRAINER_DEFAULTS, **(trainer or {})}))
+    t = L.Trainer(**with_signal_guard(with_stage_progress({**EVAL_TRAINER_DEFAULTS, **(trainer or {})})))
     res = module.evaluate(t)
     if t.is_global_zero and output_dir:
         extra = {"model": asdict(model_cfg), "eval": asdict(cfg),

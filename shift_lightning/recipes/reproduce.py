@@ -147,11 +147,25 @@ def needs_closeness(cfg: ReproduceConfig, doc: dict) -> bool:
     return cfg.kl and cfg.fill != "new" and "fidelity" not in doc
 
 
-def run(cfg: ReproduceConfig) -> Path:
-    """Fill the missing runs of the grid, rendering the tables after each one; returns the model folder."""
+def check_config(cfg: ReproduceConfig) -> None:
+    """Cheap checks before any model is loaded."""
     bad = [c for c in cfg.criteria if c not in CRITERIA_ORDER]
     if bad:
         raise ConfigError(f"Unknown criteria {bad}; choose from {', '.join(CRITERIA_ORDER)}")
+    CalibrationConfig(damping=cfg.damping, guard_every=cfg.guard_every).validate()
+    if not (isinstance(cfg.ratio, (int, float)) and 0 < cfg.ratio < 1):
+        raise ConfigError(f"--ratio must be a fraction in (0, 1), got {cfg.ratio}")
+    for name, least in (("calib_samples", 1), ("seq_len", 2), ("select_samples", 1), ("select_seq_len", 2),
+                        ("heldout_samples", 1), ("docs", 1), ("ppl_windows", 1), ("kl_docs", 0), ("kl_topk", 1),
+                        ("n_boot", 1)):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or v < least:
+            raise ConfigError(f"--{name} must be an integer >= {least}, got {v!r}")
+
+
+def run(cfg: ReproduceConfig) -> Path:
+    """Fill the missing runs of the grid, rendering the tables after each one; returns the model folder."""
+    check_config(cfg)
     folder = Path(cfg.out) / harness.model_key(cfg.model)
     prepare_file(folder / "original.json")  # writable, before the model is loaded
     if cfg.render_only:

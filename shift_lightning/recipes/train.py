@@ -294,6 +294,10 @@ class CheckpointOnStop(L.Callback):
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if isinstance(pl_module, RecoveryModule):  # before ModelCheckpoint (Lightning runs it last)
+            pl_module.end_of_update()
+
     def on_exception(self, trainer, pl_module, exception):
         from .. import stopping
 

@@ -1,0 +1,93 @@
+"""Weight files are checked around every load: nothing silently wrong, nothing unpickled. Framework-free.
+
+* :func:`check_safetensors_files` reads only the headers of a folder's ``*.safetensors`` files
+  (microseconds a file) and refuses one that is cut short or damaged, naming it, before
+  ``from_pretrained`` fails somewhere inside with a bare ``SafetensorError``;
+* :func:`refusing_pickles` turns the refusal of a pickle of Python objects (a planted
+  ``pytorch_model.bin``: ``torch.load(weights_only=True)`` refuses it) into one error naming the file;
+* :func:`check_finite` refuses a loaded model with a NaN or an infinity in any parameter, naming the
+  tensor and the file that holds it (one pass over the weights, in chunks: seconds for 8B
+  parameters, next to the minutes the load itself takes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pickle
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .arch import ModelLoadError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+_CHUNK = 1 << 24
+
+
+def _check_one(path: Path) -> list[str]:
+    size = path.stat().st_size
+    fix = "download or copy it again"
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise ModelLoadError(f"{path} is truncated or not a safetensors file ({size:,} bytes; its header cannot be "
+                                 f"read); {fix}")
+        try:
+            meta = json.loads(f.read(n))
+            ends = [int(v["data_offsets"][1]) for k, v in meta.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise ModelLoadError(f"{path} is damaged (its header is not a safetensors header: {e}); {fix}") from None
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        raise ModelLoadError(f"{path} is truncated: its tensors need {need:,} bytes, the file has {size:,}; {fix}")
+    return [k for k in meta if k != "__metadata__"]
+
+
+def check_safetensors_files(folder: str | Path) -> dict[str, Path]:
+    """Refuse cut or damaged ``*.safetensors`` files in ``folder`` (headers only); tensor name -> file."""
+    where: dict[str, Path] = {}
+    folder = Path(folder)
+    if folder.is_dir():
+        for f in sorted(folder.glob("*.safetensors")):
+            for key in _check_one(f):
+                where[key] = f
+    return where
+
+
+def pickles_in(folder: str | Path) -> list[str]:
+    folder = Path(folder)
+    return sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES) if folder.is_dir() else []
+
+
+@contextlib.contextmanager
+def refusing_pickles(folder: str | Path) -> Iterator[None]:
+    """One error naming the file when loading ``folder`` would have to unpickle Python objects."""
+    try:
+        yield
+    except pickle.UnpicklingError:
+        found = pickles_in(folder)
+        what = str(Path(folder) / found[0]) if len(found) == 1 else f"{folder} ({', '.join(found) or 'a weight file'})"
+        raise ModelLoadError(f"{what} cannot be loaded as plain tensors: it holds Python objects that would have to be "
+                             "unpickled, which shift-lightning never does; use a safetensors copy of the model") from None
+
+
+def check_finite(model: nn.Module, source: str | Path, files: dict[str, Path] | None = None) -> None:
+    """Refuse a model with a non-finite parameter, naming the tensors (and the files holding them)."""
+    bad = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.is_floating_point() or p.device.type == "meta":
+                continue
+            flat = p.detach().reshape(-1)
+            if not all(bool(torch.isfinite(c).all()) for c in flat.split(_CHUNK)):
+                bad.append(name)
+    if bad:
+        held = sorted({files[n].name for n in bad if files and n in files})
+        raise ModelLoadError(f"{source}: non-finite weights (NaN or infinity) in {bad[:3]}"
+                             f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}"
+                             f"{f' (in {held[0]})' if len(held) == 1 else f' (in {held})' if held else ''}; "
+                             "the weights are damaged, refusing to load them")

@@ -1,0 +1,563 @@
+"""Issue 17: the bad inputs, faults and kills that once lost data, gave a silently wrong result, a
+traceback or a hung process. One test per case: nothing the user made is deleted, every mistake is
+one ``error:`` line (exit 2) found before any compute, checkpoints belong to their run, and every
+process of a run exits on Ctrl-C or when a peer dies (bounded timeouts: the suite cannot hang)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from shift_lightning import stopping
+from shift_lightning.outputs import MARKER, OutputError, OutputExistsError, prepare_output, publish_dir
+from shift_lightning.recipes import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = str(ROOT / "tests" / "data" / "tiny_corpus.txt")
+HELDOUT = str(ROOT / "tests" / "data" / "tiny_heldout.txt")
+FAST = ["--trainer.enable_progress_bar", "false"]
+
+
+@pytest.fixture(autouse=True)
+def _at_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the configs name their data relative to the repository
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A calibrated tiny model folder (blocks 2, 3 removed)."""
+    from shift_lightning.criteria import PruneConfig
+    from shift_lightning.data import TextDataConfig
+    from shift_lightning.models import ModelConfig
+    from shift_lightning.recipes.calibrate import run_calibration
+
+    out = tmp_path_factory.mktemp("saved") / "cal"
+    run_calibration(model=ModelConfig(tiny={"family": "llama", "max_position_embeddings": 512}),
+                    data=TextDataConfig(source=CORPUS, num_samples=4, seq_len=32),
+                    heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[2, 3]),
+                    trainer={"accelerator": "cpu", "enable_progress_bar": False}, output_dir=str(out))
+    return out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _listing(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _error(main, argv, capsys) -> str:
+    """The one ``error:`` line of a refused run (exit 2, no traceback)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    return err.splitlines()[0]
+
+
+def _never(*a, **k):
+    raise AssertionError("compute started before the input was checked")
+
+
+def _no_compute(monkeypatch):
+    """Any model load means the check came too late."""
+    from shift_lightning.recipes import calibrate as C, evaluate as E, train as T
+
+    for mod in (C, E, T):
+        monkeypatch.setattr(mod, "load_pretrained", _never)
+
+
+# ================================================================================================
+# Data lost
+# ================================================================================================
+def test_case1_evaluate_never_overwrites_the_model_it_evaluates(saved, tmp_path, monkeypatch, capsys):
+    model = _copy(saved, tmp_path / "model")
+    before = _listing(model)
+    _no_compute(monkeypatch)
+    ev = ["--config", "eval_tiny.yaml", "--model.tiny", "null", "--model.name_or_path", str(model), "--overwrite"]
+    line = _error(cli.evaluate_main, [*ev, "--output_dir", str(model)], capsys)
+    assert f"--output_dir {model} is the input --model.name_or_path {model}" in line
+    line = _error(cli.evaluate_main, [*ev, "--output_dir", str(model / "eval")], capsys)  # inside it
+    assert "is inside the input --model.name_or_path" in line
+    assert _listing(model) == before
+
+
+def test_case2_train_never_replaces_its_input_folder(saved, tmp_path, monkeypatch, capsys):
+    cal = _copy(saved, tmp_path / "cal")
+    before = _listing(cal)
+    _no_compute(monkeypatch)
+    line = _error(cli.train_main, ["--config", "tiny_lora.yaml", "--model.tiny", "null", "--model.name_or_path", str(cal),
+                                   "--output_dir", str(cal), "--overwrite"], capsys)
+    assert f"is the input --model.name_or_path {cal}" in line
+    assert _listing(cal) == before
+    # an output that would contain an input (e.g. the data) is refused too
+    data = tmp_path / "runs" / "corpus.txt"
+    data.parent.mkdir()
+    shutil.copy(CORPUS, data)
+    with pytest.raises(OutputError, match="contains the input --data.source"):
+        prepare_output(tmp_path / "runs", overwrite=True, inputs={"--data.source": str(data)})
+
+
+def test_case3_overwrite_never_deletes_files_the_user_added(tmp_path, monkeypatch, capsys):
+    out = publish_dir(tmp_path / "run", lambda t: (t / "calibration_report.json").write_text("{}"), kind="calibration")
+    assert json.loads((out / MARKER).read_text())["files"] == ["calibration_report.json"]
+    prepare_output(out, overwrite=True)  # only our files: may be replaced
+    (out / "NOTES.txt").write_text("my notes")
+    _no_compute(monkeypatch)
+    line = _error(cli.calibrate_main, ["--config", "tiny.yaml", "--output_dir", str(out), "--overwrite", *FAST], capsys)
+    assert "holds files shift-lightning did not write (NOTES.txt); --overwrite would delete them" in line
+    assert (out / "NOTES.txt").read_text() == "my notes"
+    # a folder of an older version (its marker lists nothing): what came after the marker is the user's
+    doc = json.loads((out / MARKER).read_text())
+    del doc["files"]
+    (out / MARKER).write_text(json.dumps(doc))
+    for name, age in (("calibration_report.json", 120), (MARKER, 60)):  # written by the run, the marker last
+        os.utime(out / name, (time.time() - age, time.time() - age))
+    with pytest.raises(OutputExistsError, match=r"\(NOTES.txt\)"):
+        prepare_output(out, overwrite=True)
+
+
+# ================================================================================================
+# Silently wrong
+# ================================================================================================
+def test_case4_negative_heldout_samples_are_refused(monkeypatch, tmp_path, capsys):
+    _no_compute(monkeypatch)
+    line = _error(cli.calibrate_main, ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"),
+                                       "--heldout.num_samples", "-3", *FAST], capsys)
+    assert "--heldout.num_samples must be an integer >= 0 (0 switches it off), got -3" in line
+
+
+def test_case5_negative_learning_rate_is_refused_before_calibration(monkeypatch, tmp_path, capsys):
+    _no_compute(monkeypatch)
+    line = _error(cli.train_main, ["--config", "tiny_lora.yaml", "--output_dir", str(tmp_path / "o"),
+                                   "--recovery.lr", "-1"], capsys)
+    assert "--recovery.lr must be a finite number > 0, got -1" in line
+    assert not (tmp_path / "o.calibration").exists()
+
+
+def _train_args(tmp_path, name, *extra):
+    return ["--config", "tiny_lora.yaml", "--output_dir", str(tmp_path / name), "--zeroshot.tasks", "",
+            "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *extra]
+
+
+def test_case6_fewer_steps_than_the_validation_interval_still_validate_the_result(tmp_path, capsys, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        result = cli.train_main(_train_args(tmp_path, "short", "--trainer.max_steps", "2",
+                                            "--trainer.val_check_interval", "4"))
+    assert "--trainer.val_check_interval 4 is more than the 2 training batches" in caplog.text
+    r = result.report
+    assert r["steps"] == 2 and math.isfinite(r["metrics_after"]["val/ppl"])
+    assert r["metrics_after"]["val/ppl"] != r["metrics_before"]["val/ppl"]  # validated after training
+    summary = capsys.readouterr().out
+    assert re.search(r"val/ppl [\d.]+ -> [\d.]+", summary) and "nan" not in summary, summary
+
+
+def test_case7_render_only_on_an_empty_folder_says_there_is_nothing(tmp_path, capsys):
+    from shift_lightning.recipes import reproduce
+
+    empty = tmp_path / "empty"
+    reproduce.main(["--render_only", "--out", str(empty), "--model", "tiny"])
+    out = capsys.readouterr().out
+    assert "No finished runs" in out and "nothing to render" in out and "Tables in" not in out
+    assert not empty.exists()  # nothing written, not even a folder
+
+
+# ---- case 8: checkpoints belong to their run --------------------------------------------------
+class _CrashBeforeTheFirstStep(L.Callback):
+    def on_train_batch_start(self, trainer, *args):
+        raise RuntimeError("killed before the first checkpoint")
+
+
+def _job(tmp_path, name="job", lr=2e-3, steps=4, callbacks=(), **kw):
+    from shift_lightning.calibration import CalibrationConfig
+    from shift_lightning.criteria import PruneConfig
+    from shift_lightning.data import TextDataConfig
+    from shift_lightning.models import ModelConfig
+    from shift_lightning.recipes.train import run_training, training_callbacks
+    from shift_lightning.recovery import RecoveryConfig
+
+    out = tmp_path / name
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, val_check_interval=2,
+                        check_val_every_n_epoch=None, inference_mode=False, use_distributed_sampler=False,
+                        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, logger=False,
+                        callbacks=[*training_callbacks(str(out), None, 2), *callbacks])
+    return run_training(trainer, model=ModelConfig(tiny={"family": "llama"}),
+                        data=TextDataConfig(source=CORPUS, num_samples=4, seq_len=32),
+                        heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[2, 3]),
+                        calibration=CalibrationConfig(), train_data=TextDataConfig(source=CORPUS, num_samples=8,
+                                                                                   seq_len=32, batch_size=4),
+                        val=TextDataConfig(source=HELDOUT, num_samples=2, seq_len=32),
+                        recovery=RecoveryConfig(method="lora", lora_r=2, lr=lr), output_dir=str(out), **kw)
+
+
+def test_case8_checkpoints_belong_to_their_run(tmp_path):
+    from shift_lightning.resume import read_checkpoint
+
+    ckpt = tmp_path / "job.ckpt"
+    _job(tmp_path, lr=2e-3)  # run A: finished, its checkpoint stays
+    shutil.rmtree(tmp_path / "job")  # as if A had been killed before its export
+    a = read_checkpoint(ckpt / "last.ckpt")["shift_lightning"]["run"]["key"]
+    with pytest.raises(OutputExistsError, match="holds the checkpoints of an earlier run.*--ckpt_path last.*--overwrite"):
+        _job(tmp_path, lr=1e-3)  # run B, fresh: A's checkpoint is not silently kept around
+    with pytest.raises(cli.ConfigError, match=r"belongs to a run with other settings \(recovery.lr: 0.002 there, "
+                                               r"0.001 now\)"):
+        _job(tmp_path, lr=1e-3, ckpt_path="last")  # B never resumes A
+    with pytest.raises(RuntimeError, match="killed before the first checkpoint"):
+        _job(tmp_path, lr=1e-3, overwrite=True, callbacks=[_CrashBeforeTheFirstStep()])
+    assert not (ckpt / "last.ckpt").exists()  # --overwrite cleared A's checkpoints
+    b = _job(tmp_path, lr=1e-3, ckpt_path="last")  # nothing of B's yet: starts at step 0, not from A
+    assert b.report["steps"] == 4 and len(b.report["loss_history"]) == 4
+    assert sorted(p.name for p in ckpt.iterdir()) == ["last.ckpt"]  # no last-v1.ckpt piling up
+    assert read_checkpoint(ckpt / "last.ckpt")["shift_lightning"]["run"]["key"] != a
+
+
+@pytest.mark.parametrize("damage", ["pickle", "truncated"])
+def test_case8_a_planted_or_cut_checkpoint_is_one_line_before_any_compute(tmp_path, monkeypatch, capsys, damage):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "PWNED"),))
+
+    ckpt = tmp_path / "o.ckpt"
+    ckpt.mkdir()
+    if damage == "pickle":
+        (ckpt / "last.ckpt").write_bytes(pickle.dumps({"state_dict": Evil()}))
+    else:
+        import torch
+
+        torch.save({"shift_lightning": {}, "x": torch.zeros(1000)}, ckpt / "full.ckpt")
+        (ckpt / "last.ckpt").write_bytes((ckpt / "full.ckpt").read_bytes()[:500])
+    _no_compute(monkeypatch)
+    line = _error(cli.train_main, _train_args(tmp_path, "o", "--ckpt_path", "last"), capsys)
+    assert str(ckpt / "last.ckpt") in line
+    assert ("cannot be loaded as plain tensors" if damage == "pickle" else "it is truncated or damaged") in line
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "o.calibration").exists()
+
+
+def test_case9_nan_in_the_model_weights_is_refused_at_load(saved, tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from shift_lightning import load_pretrained
+    from shift_lightning.models import ModelLoadError
+
+    d = _copy(saved, tmp_path / "nan")
+    w = load_file(str(d / "model.safetensors"))
+    key = "model.layers.1.mlp.down_proj.weight"
+    w[key] = w[key].clone()
+    w[key].view(-1)[7] = float("nan")
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=rf"non-finite weights \(NaN or infinity\) in \['{key}'\] \(in model.safetensors\)"):
+        load_pretrained(d)
+    line = _error(cli.evaluate_main, ["--config", "eval_tiny.yaml", "--model.tiny", "null", "--model.name_or_path", str(d),
+                                      "--output_dir", str(tmp_path / "e")], capsys)
+    assert "non-finite weights" in line and not (tmp_path / "e").exists()
+
+
+# ================================================================================================
+# Tracebacks for user mistakes: now one line
+# ================================================================================================
+@pytest.mark.parametrize("entry,option,value,match", [
+    ("calibrate", "--data.batch_size", "0", "--data.batch_size must be an integer >= 1, got 0"),
+    ("train", "--train_data.batch_size", "0", "--train_data.batch_size must be an integer >= 1, got 0"),
+    ("train", "--recovery.lora_r", "0", "--recovery.lora_r must be an integer >= 1, got 0"),
+])
+def test_bad_sizes_are_one_line_before_any_compute(entry, option, value, match, tmp_path, monkeypatch, capsys):
+    _no_compute(monkeypatch)
+    if entry == "calibrate":
+        argv = ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"), *FAST]
+        main = cli.calibrate_main
+    else:
+        argv, main = _train_args(tmp_path, "o"), cli.train_main
+    assert match in _error(main, [*argv, option, value], capsys)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.calibration").exists()
+
+
+def test_disk_full_while_saving_is_one_line_and_the_previous_run_stays(tmp_path, monkeypatch, capsys):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    out = tmp_path / "o"
+    argv = ["--config", "tiny.yaml", "--output_dir", str(out), *FAST]
+    cli.calibrate_main(argv)
+    before = _listing(out)
+    capsys.readouterr()
+
+    def full(*a, **k):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    line = _error(cli.calibrate_main, [*argv, "--overwrite"], capsys)
+    assert line.startswith(f"error: Could not write {out}: No space left on device. Nothing was changed there")
+    assert _listing(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["o"]  # no leftovers
+
+    def enospc(tmp):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OutputError, match="No space left on device"):
+        publish_dir(out, enospc)
+    assert _listing(out) == before
+
+
+@pytest.mark.parametrize("damage", ["truncated", "pickle_hf", "pickle_shift"])
+def test_damaged_model_files_are_one_line(saved, tmp_path, capsys, damage):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "PWNED"),))
+
+    if damage == "pickle_hf":  # a plain HF folder whose weights are a pickle of Python objects
+        from shift_lightning.models import build_tiny_model
+
+        d = tmp_path / "hf"
+        model, tok = build_tiny_model("llama")
+        model.save_pretrained(d)
+        tok.save_pretrained(d)
+    else:
+        d = _copy(saved, tmp_path / "m")
+    weights = d / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        match = f"{weights} is truncated: its tensors need"
+    else:
+        weights.unlink()
+        (d / "pytorch_model.bin").write_bytes(pickle.dumps({"model.embed_tokens.weight": Evil()}))
+        match = (f"{d}/pytorch_model.bin cannot be loaded as plain tensors" if damage == "pickle_hf" else
+                 f"{d} holds no model.safetensors (only ['pytorch_model.bin'], which is never unpickled)")
+    line = _error(cli.evaluate_main, ["--config", "eval_tiny.yaml", "--model.tiny", "null", "--model.name_or_path",
+                                      str(d), "--output_dir", str(tmp_path / "e")], capsys)
+    assert match in line, line
+    assert not (tmp_path / "PWNED").exists()
+
+
+# ================================================================================================
+# Hangs: every process exits (subprocesses, bounded)
+# ================================================================================================
+def _children(pid: int) -> list[int]:
+    out = []
+    for t in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            out += [int(x) for x in t.read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_gone(pids, timeout: float) -> float:
+    t0 = time.time()
+    while any(_alive(p) for p in pids):
+        if time.time() - t0 > timeout:
+            raise AssertionError(f"still alive after {timeout:g} s: {[p for p in pids if _alive(p)]}")
+        time.sleep(0.1)
+    return time.time() - t0
+
+
+def _ddp(script: str, args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", stopping.GRACE_ENV: "15",
+           "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, str(ROOT / script), *args, "--trainer.devices", "2",
+                             "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"], cwd=ROOT, env=env,
+                            stdout=open(log.with_suffix(".out"), "w"), stderr=open(log, "w"), start_new_session=True)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _rank1(rank0: subprocess.Popen, script: str, timeout: float = 120) -> int:
+    """The rank Lightning launched: a child running the same script (not, e.g., ``ldconfig -p``)."""
+    t0 = time.time()
+    while True:
+        ranks = [c for c in _children(rank0.pid) if script in _cmdline(c)]
+        if ranks:
+            return ranks[0]
+        assert rank0.poll() is None, "rank 0 ended before launching rank 1"
+        assert time.time() - t0 < timeout, "rank 1 never started"
+        time.sleep(0.02)
+
+
+def _sockets(pid: int) -> int:
+    n = 0
+    for fd in Path(f"/proc/{pid}/fd").glob("*"):
+        try:
+            n += os.readlink(fd).startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.parametrize("when", ["starting", "guarded"])
+def test_rank1_exits_when_rank0_is_killed(tmp_path, when):
+    """SIGKILL of rank 0 as soon as rank 1 exists (it is still importing: it finds its launcher gone
+    when it starts) or once rank 1 runs guarded (its watch thread sees the launcher go)."""
+    log = tmp_path / "err.txt"
+    p = _ddp("calibrate.py", ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"), *FAST], log)
+    try:
+        rank1 = _rank1(p, "calibrate.py")
+        t0 = time.time()
+        while when == "guarded" and _sockets(rank1) < 2:  # the signal watcher's socket pair: guarded() runs
+            assert _alive(rank1) and time.time() - t0 < 120, log.read_text()[-2000:]
+            time.sleep(0.01)
+        p.kill()
+        p.wait(timeout=30)
+        took = _wait_gone([rank1], timeout=60)
+        assert "rank 1: the process that launched it (rank 0, pid" in log.read_text(), log.read_text()[-2000:]
+        assert took < (60 if when == "starting" else 5) and not (tmp_path / "o").exists()
+    finally:
+        with _suppress():
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_ctrl_c_to_the_process_group_ends_every_rank_of_a_ddp_training(tmp_path, sig):
+    """Ctrl-C in the terminal (or SIGTERM from a scheduler) reaches every rank: all exit, promptly, with
+    a stop checkpoint that resumes (Lightning's own SIGTERM handling would hang the ranks)."""
+    from shift_lightning.resume import read_checkpoint
+
+    log = tmp_path / "err.txt"
+    out = tmp_path / "o"
+    p = _ddp("train.py", _train_args(tmp_path, "o", "--trainer.max_steps", "5000", "--trainer.val_check_interval", "2",
+                                     "--train_data.batch_size", "2"), log)
+    try:
+        rank1 = _rank1(p, "train.py")
+        t0 = time.time()
+        while not (tmp_path / "o.ckpt" / "last.ckpt").exists():  # training has started
+            assert p.poll() is None, log.read_text()[-3000:]
+            assert time.time() - t0 < 240, "no checkpoint written"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        os.killpg(p.pid, sig)
+        took = _wait_gone([p.pid, rank1], timeout=60)
+        assert p.wait(timeout=5) == 128 + sig, log.read_text()[-3000:]
+        name = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
+        assert f"interrupted: the run stopped on {name}" in log.read_text()
+        assert "exiting by force" not in log.read_text()  # stopped by itself, not by the watchdog
+        assert took < 15 and not out.exists()
+        ck = read_checkpoint(tmp_path / "o.ckpt" / "last.ckpt")  # intact and resumable (atomic writes)
+        assert ck["global_step"] >= 2 and len(ck["shift_lightning"]["loss_history"]) == ck["global_step"]
+    finally:
+        with _suppress():
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is None or issubclass(exc[0], OSError)
+
+
+def test_ctrl_c_held_back_during_the_update_then_raised(monkeypatch):
+    with stopping.guarded():
+        stopping.enter_critical()
+        signal.raise_signal(signal.SIGINT)  # arrives during the update: held back
+        with pytest.raises(KeyboardInterrupt):
+            stopping.leave_critical()  # the step is counted: raised now
+        t0 = time.time()
+        while not stopping.armed() and time.time() - t0 < 5:  # the watcher saw it: forced exit pending
+            time.sleep(0.01)
+        assert stopping.armed()
+        stopping.disarm()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the caller's handler is back
+
+
+def test_ctrl_c_during_calibration_is_one_line_and_status_130(tmp_path, monkeypatch, capsys):
+    from shift_lightning import passes
+
+    def ctrl_c(self, batch, batch_idx):
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(passes.DataPass, "predict_step", ctrl_c)
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.calibrate_main(["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"), *FAST])
+        assert e.value.code == 130
+        err = capsys.readouterr().err
+        assert "interrupted: the run stopped on Ctrl-C" in err and "Traceback" not in err
+        assert not (tmp_path / "o").exists()
+    finally:
+        t0 = time.time()
+        while not stopping.armed() and time.time() - t0 < 5:
+            time.sleep(0.01)
+        stopping.disarm()
+
+
+# ================================================================================================
+# Rough edges
+# ================================================================================================
+def test_nan_damping_in_yaml_is_refused_before_any_compute(tmp_path, monkeypatch, capsys):
+    y = tmp_path / "nan.yaml"
+    y.write_text("calibration:\n  damping: .nan\n")
+    _no_compute(monkeypatch)
+    line = _error(cli.calibrate_main, ["--config", "tiny.yaml", "--config", str(y), "--output_dir", str(tmp_path / "o"),
+                                       *FAST], capsys)
+    assert "--calibration.damping must be a finite number > 0, got nan" in line
+    from shift_lightning.recipes import harness, reproduce
+
+    monkeypatch.setattr(harness, "open_grid", _never)  # the grid's model would be loaded first
+    line = _error(reproduce.main, ["--damping", ".nan", "--out", str(tmp_path / "p")], capsys)
+    assert "--calibration.damping must be a finite number > 0, got nan" in line
+
+
+def test_too_short_heldout_text_names_the_heldout_options(tmp_path, capsys):
+    line = _error(cli.calibrate_main, ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"),
+                                       "--heldout.num_samples", "5000", *FAST], capsys)
+    assert "lower --heldout.num_samples / --heldout.seq_len" in line and "--data." not in line
+
+
+def test_empty_yaml_and_parser_errors_are_one_line_with_a_pointer_to_help(tmp_path, capsys):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing here\n")
+    for argv, match in [(["--config", str(empty)], f"Config file {empty} is empty"),
+                        (["--nope", "1"], "unrecognized arguments: --nope 1"),
+                        (["--data.batch_size", "x"], 'Parser key "data.batch_size"')]:
+        with pytest.raises(SystemExit) as e:
+            cli.calibrate_main(["--config", "tiny.yaml", *argv, "--output_dir", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: ") and match in err.splitlines()[0], err
+        assert len(err.splitlines()) == 2 and "--help" in err and "usage:" not in err, err
+
+
+def test_resuming_into_a_foreign_output_folder_is_refused_before_any_compute(tmp_path, monkeypatch, capsys):
+    args = _train_args(tmp_path, "o", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2")
+    cli.train_main(args)  # a run with its checkpoint ...
+    shutil.rmtree(tmp_path / "o")
+    (tmp_path / "o").mkdir()  # ... whose output folder is now someone else's
+    (tmp_path / "o" / "thesis.tex").write_text("mine")
+    capsys.readouterr()
+    _no_compute(monkeypatch)
+    line = _error(cli.train_main, [*args, "--ckpt_path", "last"], capsys)
+    assert "was not written by shift-lightning" in line and (tmp_path / "o" / "thesis.tex").read_text() == "mine"
+
+
+def test_reproduce_with_a_missing_model_leaves_no_folder(tmp_path, capsys):
+    from shift_lightning.recipes import reproduce
+
+    line = _error(reproduce.main, ["--model", "./no/such/model", "--out", str(tmp_path / "p")], capsys)
+    assert "Model folder not found" in line and not (tmp_path / "p").exists()
