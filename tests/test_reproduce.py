@@ -185,3 +185,24 @@ def test_compare_runs_finds_identical_and_changed_outcomes(tmp_path):
     s = compare(CompareConfig(a=str(a), b=str(b), out=str(tmp_path / "changed")))["summary"]
     assert s["per_doc_differing"] == 1 and abs(s["max_ppl_rel_diff"] - 0.01) < 1e-6
     assert "1 of" in (tmp_path / "changed.md").read_text()
+
+
+def test_fidelity_sweep_reuses_the_grid_and_plots_kl_against_blocks_removed(tmp_path):
+    from shift_lightning.recipes.fidelity_sweep import SweepConfig, run as sweep
+    from shift_lightning.recipes.reproduce import run as run_grid
+
+    grid = _tiny_grid(tmp_path, criteria=["reverse_star"], variants=["pruned", "lra", "guarded"], out=str(tmp_path / "p"),
+                      calib_samples=8)
+    run_grid(grid)
+    cfg = SweepConfig(model="tiny", criteria=["reverse_star", "linear_fit"], ratios=[0.125, 0.25],
+                      repairs=["pruned", "lra", "guarded"], out=str(tmp_path / "sweep"), grid=grid)
+    folder = sweep(cfg)
+    made = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.json"))
+    # the grid's reverse_star runs at its ratio are reused; everything else is measured
+    assert made == sorted([f"reverse_star/ratio=0.125_{r}.json" for r in cfg.repairs]
+                          + [f"linear_fit/ratio={x:g}_{r}.json" for x in cfg.ratios for r in cfg.repairs])
+    doc = json.loads((tmp_path / "sweep" / "tiny.json").read_text())
+    assert len(doc["points"]) == 2 * 2 * 3
+    one = next(p for p in doc["points"] if p["criterion"] == "reverse_star" and p["ratio"] == 0.125)
+    assert one["blocks_removed"] == 1 and set(one["kl"]) == {grid.ppl_sets[0], "tasks"}
+    assert (tmp_path / "sweep" / "tiny.png").exists() and "| linear_fit | 0.25 | 2 |" in (tmp_path / "sweep" / "tiny.md").read_text()

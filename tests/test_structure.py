@@ -234,3 +234,15 @@ def test_library_modules_stay_short_or_say_why():
     assert set(long) <= set(LONG_MODULES), {k: v for k, v in long.items() if k not in LONG_MODULES}
     assert _long_modules(limit=10_000) == {}
     assert "shift_lightning/calibration/module.py" in _long_modules(limit=100)  # the check sees the package
+
+
+def test_solver_registry_and_config_choices_agree():
+    """Every registered solver is a valid ``--calibration.solver`` and the reverse (a new solver is one
+    file, one import line and its name in ``SolverName``)."""
+    import typing
+
+    from shift_lightning.calibration import SOLVERS, SolverName
+
+    assert set(typing.get_args(SolverName)) == set(SOLVERS)
+    for name, cls in SOLVERS.items():
+        assert cls.name == name and cls.label.startswith("+"), name
