@@ -90,7 +90,7 @@ class RecoveryConfig:
     """Log ``val/kl`` (next-token KL(original ‖ model), nats per position) and ``val/top1`` at every
     validation: the original's top-``val_kl_topk`` distributions on the validation windows are recorded
     once, before pruning (from the base model of a calibrated folder)."""
-    val_kl_topk: int = 64
+    val_kl_topk: int = 256
     """The original's most likely tokens kept per validation position."""
     gradient_checkpointing: bool = False
     """Recompute each block's activations in the backward pass instead of keeping them: training

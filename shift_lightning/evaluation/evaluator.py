@@ -77,7 +77,7 @@ class EvalConfig:
     (:meth:`Evaluator.record_reference`; the entry points record them from the unpruned model)."""
     kl_docs: int = 50
     """With ``kl``: docs per task whose prompts (contexts, no answers) are compared (0: none)."""
-    kl_topk: int = 64
+    kl_topk: int = 256
     """With ``kl``: the original's most likely tokens kept per position (the rest is one bucket)."""
 
 

@@ -106,7 +106,7 @@ class ReproduceConfig:
     """Closeness to the original (KL, top-1) on the perplexity windows and the tasks' prompts."""
     kl_docs: int = 50
     """Docs per task whose prompts count for closeness."""
-    kl_topk: int = 64
+    kl_topk: int = 256
     """The original's top-k next-token probabilities kept per position."""
     max_batch_tokens: int | None = None
     """Scorer batch budget (default 8192; 2048 for vocabularies over 100k tokens)."""
