@@ -213,7 +213,8 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
     remove_blocks(model, layers)
     base_params = num_params(model)
     cache = TrunkCache(depth=max(layers[0] - 1, 0))
-    order = sorted(new + old, key=lambda v: v != "pruned")  # the pruned model records the shared blocks
+    # the pruned model records the shared blocks; closeness for older runs (fast) before new runs
+    order = sorted(new + old, key=lambda v: (v != "pruned", v in new))
     for i, variant in enumerate(order):
         name = f"{crit}/{variant}"
         correction = module.correction(variant) if variant != "pruned" else None
