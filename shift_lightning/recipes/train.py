@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
@@ -179,17 +180,23 @@ def run_training(
     if val_w is not None and ckpt_path is None:  # one validation at step 0 (val/ppl, zeroshot/*)
         trainer.validate(module, datamodule=dm, verbose=False)
         before = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    step0, t_fit = trainer.global_step, time.time()
     if trainer.max_steps != 0:
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)  # nothing unpickled
+    t_fit = time.time() - t_fit
     after = {k: float(v) for k, v in trainer.callback_metrics.items()}
     steps = trainer.global_step
+    tokens = (steps - step0) * trainer.world_size * train_data.batch_size * trainer.accumulate_grad_batches \
+        * train_data.seq_len
     report = {
         "model": model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny},
         "pruned_layers": spec["pruned_layers"], "recovery": asdict(recovery), "trainable_params": n_train,
         "train_windows": len(train_w), "train_tokens_per_window": train_data.seq_len, "steps": steps,
         "recovered": steps > 0, "metrics_before": before, "metrics_after": after,
         "loss_history": module.loss_history, "world_size": trainer.world_size,
-        "seconds": {"calibration": t_cal - t0, "total": time.time() - t0},
+        "seconds": {"calibration": t_cal - t0, "fit": t_fit, "total": time.time() - t0},
+        "train_tokens_per_s": tokens / t_fit if t_fit > 0 and tokens else None,
+        "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
     }
     if steps == 0:
         log.warning("No training step was taken (max_steps %s): the exported model is the calibrated one, "
