@@ -206,3 +206,19 @@ def test_fidelity_sweep_reuses_the_grid_and_plots_kl_against_blocks_removed(tmp_
     one = next(p for p in doc["points"] if p["criterion"] == "reverse_star" and p["ratio"] == 0.125)
     assert one["blocks_removed"] == 1 and set(one["kl"]) == {grid.ppl_sets[0], "tasks"}
     assert (tmp_path / "sweep" / "tiny.png").exists() and "| linear_fit | 0.25 | 2 |" in (tmp_path / "sweep" / "tiny.md").read_text()
+
+
+def test_domain_comparison_of_two_grids(tmp_path):
+    """The same grid calibrated on two texts: the comparison pairs the rows on the same docs."""
+    from shift_lightning.recipes.domain_compare import DomainCompareConfig, render
+    from shift_lightning.recipes.reproduce import run
+
+    kw = dict(criteria=["reverse_star"], variants=["pruned", "lra", "guarded"], calib_samples=8)
+    run(_tiny_grid(tmp_path, out=str(tmp_path / "a"), **kw))
+    run(_tiny_grid(tmp_path, out=str(tmp_path / "b"), calib_source=str(ROOT / "tests" / "data" / "tiny_heldout.txt"), **kw))
+    out = render(DomainCompareConfig(model="tiny", a=str(tmp_path / "a"), b=str(tmp_path / "b"), n_boot=50))
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert {(r["criterion"], r["repair"]) for r in doc["rows"]} == {("reverse_star", "lra"), ("reverse_star", "guarded")}
+    lra = next(r for r in doc["rows"] if r["repair"] == "lra")
+    assert lra["kl"]["a"] != lra["kl"]["b"] and "avg_diff_ci" in lra["b_minus_a"]
+    assert "| reverse_star | +LRA |" in out.with_suffix(".md").read_text()
