@@ -150,6 +150,8 @@ class Evaluator:
         self.reference: dict[tuple[str, int], "F.TopK"] = {}
         """The original's top-k distributions per (set, window), recorded on this rank's units."""
         self.recorded = False
+        self.reference_file = None
+        """Where the reference was read from, when it was cached rather than recorded."""
         self._softcap = None
         # Dense per-doc float64 vectors in the (rank-independent) doc order of task_data.
         self.pos = {t: {d.idx: i for i, d in enumerate(td.docs)} for t, td in self.task_data.items()}
