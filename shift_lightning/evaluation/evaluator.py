@@ -210,23 +210,22 @@ class Evaluator:
         softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
 
         def on_logits(i: int, logits: torch.Tensor, item: int | None = None) -> None:
+            ref = F.topk_reference(logits, self.cfg.kl_topk, softcap) if record else self.reference[(name, i)]
             if record:
-                self.reference[(name, i)] = F.topk_reference(logits, self.cfg.kl_topk, softcap)
-            else:
-                self.fidelity[name].add(i if item is None else item, logits, self.reference[(name, i)], softcap)
+                self.reference[(name, i)] = ref
+            self.fidelity[name].add(i if item is None else item, logits, ref, softcap)  # the original: KL 0
 
         return on_logits
 
     def score_unit(self, model: nn.Module, unit: Unit, record: bool = False) -> None:
-        """Score ``unit``; with ``record`` (the original model) keep its distributions as the reference
-        instead (task units are then skipped)."""
+        """Score ``unit``; with ``record`` (the original model) also keep its distributions as the
+        reference of every later evaluation (its own closeness is then KL 0, top-1 100 %)."""
         if unit.kind == "ppl":
             hook = self._closeness(model, unit.name, record)
             cb = None if hook is None else (lambda i, lg: hook(unit.start + i, lg))
             nll, n = P.window_nll(model, unit.items, self.cfg.ppl_batch_size, on_logits=cb)
-            if not record:
-                self.sums[f"ppl/{unit.name}"]["nll"] += nll
-                self.sums[f"ppl/{unit.name}"]["tokens"] += n
+            self.sums[f"ppl/{unit.name}"]["nll"] += nll
+            self.sums[f"ppl/{unit.name}"]["tokens"] += n
             return
         if unit.kind == "prompts":
             hook = self._closeness(model, unit.name, record)
@@ -234,8 +233,6 @@ class Evaluator:
                 pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
                 for i, lg in F.prompt_logits(model, unit.items, self.cfg.max_batch_tokens, pad):
                     hook(unit.start + i, lg, unit.items[i].item)
-            return
-        if record:
             return
         docs: list[Doc] = unit.items
         reqs, spans = [], []
@@ -293,7 +290,7 @@ class Evaluator:
                                     "windows": len(self.ppl_windows[p]), "seq_len": self.cfg.ppl_seq_len,
                                     "stride": self.cfg.ppl_stride or self.cfg.ppl_seq_len - 1,
                                     "bos": self.ppl_bos}
-        if self.cfg.kl and self.recorded:
+        if self.cfg.kl and (self.recorded or self.reference):
             res["fidelity"] = {name: F.summarize(f) for name, f in self.fidelity.items()}
             res["kl"] = {name: e["kl"] for name, e in res["fidelity"].items()}
             res["top1"] = {name: e["top1"] for name, e in res["fidelity"].items()}

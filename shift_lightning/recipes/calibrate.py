@@ -148,10 +148,10 @@ def run_calibration(
     do_eval = evaluate is not None and bool(evaluate.tasks or evaluate.ppl)
     evals: dict[str, dict] = {}
     scorer = ModelEvaluation(lm, tokenizer, evaluate, make_trainer) if do_eval else None
-    if do_eval:  # the original's distributions first: closeness of every later evaluation to it
+    if do_eval and evaluate_baselines:  # the original's distributions are recorded in the same pass
+        evals["original"] = scorer("original", record=True)
+    elif do_eval:  # closeness of every later evaluation to the original
         scorer.record_reference()
-    if do_eval and evaluate_baselines:
-        evals["original"] = scorer("original")
 
     params_before = num_params(lm)
     module = CalibrationModule(lm, selection.layers, calibration)
@@ -232,9 +232,9 @@ class ModelEvaluation:
     def record_reference(self) -> None:
         self.module.record_reference(self.make_trainer())
 
-    def __call__(self, label: str) -> dict:
+    def __call__(self, label: str, record: bool = False) -> dict:
         self.module.stage = f"evaluation ({label} model)"
-        return self.module.evaluate(self.make_trainer())
+        return self.module.evaluate(self.make_trainer(), record=record)
 
 
 def _adapter_table(n_layers: int, removed: list[int], adapters: dict) -> list[dict]:
