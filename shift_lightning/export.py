@@ -55,7 +55,8 @@ def export_peft(peft_model, tokenizer, out: Path, spec: dict, card: CardFacts | 
         adapter_set(base).sites[k] = module
     _frozen(base)
     save_pretrained(base, tokenizer, base_dir, {**spec, "recovered": False, "recovery_steps": 0},
-                    replace(card, role=f"the corrected base of the PEFT adapter in `{LORA_DIR}/` (before recovery)"))
+                    replace(card, recovery=None,
+                            role=f"the corrected base of the PEFT adapter in `{LORA_DIR}/` (before recovery)"))
     (lora / "README.md").write_text(peft_card(peft_cfg.to_dict(), base_ref or str(base_dir), spec, card))
     return PeftModel.from_pretrained(base, str(lora)).merge_and_unload()
 

@@ -118,6 +118,7 @@ def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, o
                              extra_files={"calibration_key.json": key}, built=built)
     spec = {"original_num_layers": result.report["original_num_layers"],
             "pruned_layers": result.report["pruned_layers"], "criterion": result.report["selection"]["criterion"],
+            "base_model": result.report["model"],
             "correction": calib["calibration"].solver}
     return result.model, result.tokenizer, spec
 
