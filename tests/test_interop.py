@@ -106,6 +106,21 @@ def test_from_pretrained_with_remote_code_equals_load_pretrained(family, tmp_pat
     assert torch.equal(load_pretrained(folder)[0](ids).logits, ref)
 
 
+def test_auto_map_alone_would_be_ignored_silently(tmp_path):
+    """Why the model_type changes: with a stock ``model_type``, transformers 5.x uses its own class when
+    ``trust_remote_code`` is False or unset and ignores ``auto_map``, i.e. drops the adapters silently."""
+    from transformers import AutoModelForCausalLM
+
+    model, tok, spec = _pruned_corrected("llama")
+    save_pretrained(model, tok, tmp_path / "m", spec)
+    doc = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**doc, "model_type": "llama"}))
+    for kw in ({}, {"trust_remote_code": False}):
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m", **kw)
+        assert type(plain).__name__ == "LlamaForCausalLM" and not hasattr(plain.model, "shift_adapters")
+    assert hasattr(AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True).model, "shift_adapters")
+
+
 def test_a_folder_without_adapters_stays_a_stock_hf_folder(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -235,6 +250,23 @@ def test_peft_adapter_folder_reproduces_the_merged_model(tmp_path):
     assert (PeftModel.from_pretrained(remote, out / "lora")(ids).logits - want).abs().max() <= 1e-5
     lm = ShiftLM(pretrained=str(out / "base"), peft=str(out / "lora"), device="cpu")
     assert (lm.model(ids).logits - want).abs().max() <= 1e-5
+    # the documented command line with peft= scores like the merged folder
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    tasks_dir = tmp_path / "tasks"
+    tasks_dir.mkdir()
+    names = write_local_tasks(tasks_dir, tasks=["arc_easy", "piqa"], data_dir=str(TINY_DATA), prefix="tiny")
+    r = subprocess.run([sys.executable, "-m", "shift_lightning.lmeval", "--model", "shift", "--model_args",
+                        f"pretrained={out / 'base'},peft={out / 'lora'}", "--tasks", ",".join(names), "--include_path",
+                        str(tasks_dir), "--device", "cpu", "--output_path", str(tmp_path / "harness")],
+                       cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cli = json.loads(next((tmp_path / "harness").rglob("results_*.json")).read_text())["results"]
+    merged_res = simple_evaluate(model="shift", model_args=f"pretrained={out}", tasks=names, device="cpu",
+                                 task_manager=TaskManager(include_path=str(tasks_dir)), bootstrap_iters=0)["results"]
+    for n in names:
+        assert (cli[n]["acc,none"], cli[n]["acc_norm,none"]) == (merged_res[n]["acc,none"], merged_res[n]["acc_norm,none"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -277,6 +309,12 @@ def test_model_card_says_what_was_done_and_measured(tmp_path):
                     trainer={"accelerator": "cpu", "enable_progress_bar": False}, output_dir=str(tmp_path / "a"))
     card = (tmp_path / "a" / "README.md").read_text()
     assert _front_matter(card)["license"] == "other" and "adapter-only" in card and "no zero-shot" in card
+    # --model shift takes an adapter-only folder too (whatever load_pretrained loads)
+    from shift_lightning.lmeval import ShiftLM
+
+    ref, tok = load_pretrained(tmp_path / "a")
+    ids = tok("adapter-only", return_tensors="pt").input_ids
+    assert torch.equal(ShiftLM(pretrained=str(tmp_path / "a"), device="cpu").model(ids).logits, ref(ids).logits)
 
 
 def test_license_is_inherited_from_the_base_model(tmp_path):
@@ -289,6 +327,14 @@ def test_license_is_inherited_from_the_base_model(tmp_path):
     assert base_model_info("HuggingFaceTB/SmolLM2-1.7B").license == "apache-2.0"
     (tmp_path / "README.md").write_text("---\nlicense: mit\ntags: [x]\n---\n# a model\n")
     assert base_model_info(str(tmp_path)).license == "mit"
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")  # a GGUF's general.license
+    w.add_license("bsd-3-clause")
+    w.add_tensor("x", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    assert base_model_info(str(tmp_path / "m.gguf")).license == "bsd-3-clause"
     unknown = base_model_info("someone/some-model")
     assert unknown.license == "other" and "could not be determined" in unknown.note
     assert base_model_info({"tiny": {"family": "qwen2"}}).license == "other"
