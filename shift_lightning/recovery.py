@@ -26,7 +26,8 @@ Training details a long run needs:
   equals an uninterrupted one.
 
 After ``trainer.fit``, :meth:`RecoveryModule.export` merges LoRA into the weights and saves a
-normal shift-lightning folder that :func:`shift_lightning.load_pretrained` reloads.
+normal shift-lightning folder that :func:`shift_lightning.load_pretrained` reloads; under LoRA also the
+adapter in PEFT's format on top of the corrected base (:mod:`shift_lightning.export`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from .data import RankShard, TokenWindows
 from .errors import ConfigError
 from .nll import lm_nll_sum
 from .calibration.sites import pruned_positions
-from .checkpoint import save_pretrained
+from .export import export_recovered
 from .surgery import adapter_module_names, adapter_set
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -300,11 +301,13 @@ class RecoveryModule(L.LightningModule):
             self.model = self.model.merge_and_unload()
         return self.model
 
-    def export(self, out_dir: str | Path, tokenizer, spec: dict) -> Path:
-        model = self.merged_model()
-        for p in model.parameters():
-            p.requires_grad_(False)
-        return save_pretrained(model, tokenizer, out_dir, spec)
+    def export(self, out_dir: str | Path, tokenizer, spec: dict, card=None, peft: bool = True,
+               base_ref: str | None = None) -> Path:
+        """Write the merged model into ``out_dir``; under LoRA (``peft``) also ``out_dir/lora`` (PEFT
+        adapter) and ``out_dir/base`` (the corrected base): :mod:`shift_lightning.export`. Afterwards
+        ``self.model`` is the merged plain model."""
+        self.model = export_recovered(self.model, tokenizer, out_dir, spec, card, peft, base_ref)
+        return Path(out_dir)
 
 
 def warmup_cosine(warmup: int, total: int, floor: float = 0.1):

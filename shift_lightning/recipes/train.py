@@ -4,7 +4,9 @@
         <output_dir>.calibration/   report + adapter-only folder (reused when the job is run again)
     ──recover (LoRA / partial / LRAs; TensorBoard: val/ppl, zeroshot/*, train/*)──>
         <output_dir>.ckpt/last.ckpt  trainable tensors + optimizer + scheduler + loop (also on a stop)
-    ──export──> <output_dir>/        merged model + recovery_report.json + config.yaml
+    ──export──> <output_dir>/        merged model + recovery_report.json + config.yaml + README.md (card);
+                 <output_dir>/lora/   under LoRA: the adapter in PEFT's format (LRAs trained with it inside)
+                 <output_dir>/base/   ... on top of this corrected base (pruned + repaired, before recovery)
 
 Given a calibrated folder (``calibrate.py`` output or ``<output_dir>.calibration``) as
 ``--model.name_or_path``, the calibration stage is skipped. ``--ckpt_path last`` resumes.
@@ -27,6 +29,7 @@ from torch import nn
 from .. import dist
 from ..arch import decoder_layers
 from ..calibration import CalibrationConfig
+from ..card import CardFacts, base_model_name
 from ..criteria import PruneConfig
 from ..data import TextDataConfig, build_windows
 from ..errors import ConfigError
@@ -116,6 +119,7 @@ def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, o
                              extra_files={"calibration_key.json": key}, built=built)
     spec = {"original_num_layers": result.report["original_num_layers"],
             "pruned_layers": result.report["pruned_layers"], "criterion": result.report["selection"]["criterion"],
+            "base_model": result.report["model"],
             "correction": calib["calibration"].solver}
     return result.model, result.tokenizer, spec
 
@@ -136,10 +140,14 @@ def run_training(
     built: tuple | None = None,
     resolved_config: str | None = None,
     reference: nn.Module | None = None,
+    save_peft: bool = True,
+    command: str | None = None,
 ) -> RecoveryResult:
     """The whole job (see the module docstring). ``trainer`` comes built (``--trainer.*``: devices,
     strategy, precision, max_steps, logger, callbacks); ``built=(model, tokenizer, spec)`` injects an
-    already corrected model (tests, notebooks), ``reference`` its unpruned original (``val/kl``)."""
+    already corrected model (tests, notebooks), ``reference`` its unpruned original (``val/kl``).
+    ``save_peft``: under LoRA also write ``lora/`` (PEFT adapter) and ``base/`` (the corrected base);
+    ``command``: the command line of the job (the model card quotes it)."""
     model_cfg = model or ModelConfig()
     recovery = recovery or RecoveryConfig()
     train_data = train_data or TextDataConfig(num_samples=256, seed=1)
@@ -164,8 +172,11 @@ def run_training(
         calib = {"data": data or TextDataConfig(), "heldout": heldout or TextDataConfig(split="heldout", num_samples=16),
                  "prune": prune or PruneConfig(), "calibration": calibration or CalibrationConfig()}
         lm, tokenizer, spec = _calibrated_model(trainer, model_cfg, calib, output_dir, overwrite, resolved_config, record)
+    base = base_model_name(spec.get("base_model"))
     spec = {k: v for k, v in spec.items() if k not in ("adapters", "format_version", "weights", "base_model",
                                                        "branch_maps")}
+    if base is not None:
+        spec["base_model"] = base
     spec.setdefault("original_num_layers", len(decoder_layers(lm)))
     spec.setdefault("pruned_layers", [])
     t_cal = time.time()
@@ -202,8 +213,11 @@ def run_training(
         log.warning("No training step was taken (max_steps %s): the exported model is the calibrated one, "
                     "marked \"recovered\": false", trainer.max_steps)
     if output_dir is not None and trainer.is_global_zero:
+        card = CardFacts(command=command, calibration=_calibration_report(model_cfg, output_dir, built), recovery=report)
+
         def write(tmp: Path):
-            module.export(tmp, tokenizer, {**spec, "recovered": steps > 0, "recovery_steps": steps})
+            module.export(tmp, tokenizer, {**spec, "recovered": steps > 0, "recovery_steps": steps}, card=card,
+                          peft=save_peft, base_ref=str(Path(output_dir).resolve() / "base"))
             (tmp / "recovery_report.json").write_text(json.dumps(report, indent=2))
             if resolved_config:
                 (tmp / "config.yaml").write_text(resolved_config)
@@ -211,6 +225,16 @@ def run_training(
         publish_dir(output_dir, write, kind="recovery", overwrite=True)
     dist.barrier()
     return RecoveryResult(report, module, Path(output_dir) if output_dir else None)
+
+
+def _calibration_report(model_cfg: ModelConfig, output_dir: str, built) -> dict | None:
+    """The calibration report of the corrected model (the given calibrated folder's, or the job's own)."""
+    if built is not None:
+        return None
+    folder = Path(model_cfg.name_or_path) if model_cfg.tiny is None and is_shift_folder(model_cfg.name_or_path) \
+        else calibration_dir(output_dir)
+    f = folder / "calibration_report.json"
+    return json.loads(f.read_text()) if f.is_file() else None
 
 
 def training_callbacks(output_dir: str | None, zeroshot: EvalConfig | None, every_n_steps: int | None) -> list:
