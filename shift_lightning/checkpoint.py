@@ -6,6 +6,10 @@ Layout of a folder written by :func:`save_pretrained`::
     out/lra.safetensors                                   adapter weights, keys "<position>.<param>";
                                                           ReplaceMe maps on a post-MLP norm "branch.<block>.weight"
     out/shift_config.json                                 a :class:`ShiftSpec`: what was pruned, where maps sit
+    out/README.md                                         the model card (:mod:`shift_lightning.card`)
+    out/modeling_shift.py                                 with adapters or maps: the opt-in ``from_pretrained(...,
+                                                          trust_remote_code=True)`` path (:mod:`~shift_lightning.remote_code`);
+                                                          config.json's ``model_type`` is then ``shift_<family>``
 
 An *adapter-only* folder (:func:`save_adapters`, ``weights: adapters``) names its base model instead
 of copying it; :func:`load_pretrained` rebuilds the pruned model from the base.
@@ -15,13 +19,14 @@ read: the record must be well formed, agree with ``config.json``, list exactly t
 weights hold; every weight file must be complete safetensors, and every weight, of the model and of
 the adapters, finite), or, unpruned, anything
 :func:`shift_lightning.models.load_model` reads (HF id or folder, ``.gguf``, an embedded name, a
-tiny random config). Nothing is unpickled or executed (safetensors + JSON, no remote code).
+tiny random config). Nothing is unpickled or executed (safetensors + JSON; a folder's
+``modeling_shift.py`` is never run by it).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +34,7 @@ import torch
 from torch import nn
 
 from .arch import decoder_layers
+from .card import CardFacts, model_card
 from .lra import AdapterSpec, LinearResidualAdapter
 from .peers import fold_replaceme
 from .surgery import SurgeryError, adapter_set, attach_adapters, branch_maps, remove_blocks
@@ -133,10 +139,15 @@ def _as_spec(spec: ShiftSpec | dict) -> ShiftSpec:
 # --------------------------------------------------------------------------------------------
 # Save
 # --------------------------------------------------------------------------------------------
-def save_pretrained(model: nn.Module, tokenizer, out_dir: str | Path, spec: ShiftSpec | dict) -> Path:
-    """Write the pruned HF model, the adapter weights and ``shift_config.json`` into ``out_dir``
-    (``spec``: at least ``original_num_layers`` and ``pruned_layers``; adapters are filled in here)."""
+def save_pretrained(model: nn.Module, tokenizer, out_dir: str | Path, spec: ShiftSpec | dict,
+                    card: CardFacts | None = None) -> Path:
+    """Write the pruned HF model, the adapter weights, ``shift_config.json`` and the model card into
+    ``out_dir`` (``spec``: at least ``original_num_layers`` and ``pruned_layers``; adapters are filled
+    in here; ``card``: what the card says besides the model and its record). A model with adapters or
+    maps gets ``modeling_shift.py`` and a marked ``config.json`` (:func:`~shift_lightning.remote_code.mark_folder`)."""
     from safetensors.torch import save_file
+
+    from .remote_code import MODELING_FILE, mark_folder
 
     spec = _as_spec(spec)
     out = Path(out_dir)
@@ -160,11 +171,14 @@ def save_pretrained(model: nn.Module, tokenizer, out_dir: str | Path, spec: Shif
     spec.adapters, spec.weights = entries, "full"
     spec.branch_maps = [{"block": i, "after": "post_feedforward_layernorm"} for i in sorted(branches)]
     (out / SHIFT_CONFIG).write_text(json.dumps(spec.to_dict(), indent=2))
+    if entries or branches:
+        mark_folder(out)
+    (out / "README.md").write_text(model_card(spec.to_dict(), model, card, loads_remotely=(out / MODELING_FILE).exists()))
     return out
 
 
 def save_adapters(model: nn.Module, tokenizer, out_dir: str | Path, spec: ShiftSpec | dict, base_model: dict,
-                  maps: dict[int, torch.Tensor] | None = None) -> Path:
+                  maps: dict[int, torch.Tensor] | None = None, card: CardFacts | None = None) -> Path:
     """Write an *adapter-only* folder: ``shift_config.json`` (with the base model's
     :class:`~shift_lightning.models.ModelConfig` as ``base_model``), ``lra.safetensors`` and the
     tokenizer, but no model weights; ``maps``: ReplaceMe's ``T`` by pruned block index.
@@ -186,6 +200,8 @@ def save_adapters(model: nn.Module, tokenizer, out_dir: str | Path, spec: ShiftS
         tokenizer.save_pretrained(out)
     spec.adapters, spec.weights, spec.base_model = entries, "adapters", base_model
     (out / SHIFT_CONFIG).write_text(json.dumps(spec.to_dict(), indent=2))
+    role = "adapter-only: the base model is named, not copied; `shift_lightning.load_pretrained` rebuilds it"
+    (out / "README.md").write_text(model_card(spec.to_dict(), model, replace(card or CardFacts(), role=role)))
     return out
 
 
@@ -307,6 +323,8 @@ def _read_weights(path: Path, spec: ShiftSpec) -> dict[str, torch.Tensor]:
 def _load_shift_folder(path: Path, dtype, device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .remote_code import is_marked, plain_config
+
     spec = read_shift_config(path)
     adapter_only = spec.weights == "adapters"
     if not adapter_only:
@@ -322,11 +340,14 @@ def _load_shift_folder(path: Path, dtype, device):
             found = pickles_in(path)
             raise SurgeryError(f"{path} holds no model.safetensors{f' (only {found}, which is never unpickled)' if found else ''}"
                                "; the folder is damaged")
+        doc = read_json(path / "config.json")  # a marked folder: its stock config, none of its code
+        config = plain_config(doc) if is_marked(doc) else None
         with refusing_pickles(path):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False,
-                                                         use_safetensors=True)
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype or "auto",
+                                                         trust_remote_code=False, use_safetensors=True)
         check_finite(model, path, files)
-        tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+        tokenizer = AutoTokenizer.from_pretrained(path, **({"config": config} if config is not None else {})) \
+            if (path / "tokenizer_config.json").exists() else None
     pdtype = next(model.parameters()).dtype
     adapters = {}
     for entry in spec.adapters:

@@ -88,7 +88,7 @@ def wants_bos(tokenizer, model_type: str | None = None, add_bos: str | bool = "a
         return add_bos in (True, "true")
     if tokenizer.bos_token_id is None:
         return False
-    if model_type and model_type.startswith("gemma"):
+    if model_type and model_type.removeprefix("shift_").startswith("gemma"):  # shift_: a folder's remote-code type
         return True
     ids = tokenizer("a")["input_ids"]
     return len(ids) > 0 and ids[0] == tokenizer.bos_token_id

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 #: Default number of the original's most likely tokens kept per position.
-DEFAULT_TOPK = 64
+DEFAULT_TOPK = 256
 
 
 @dataclass

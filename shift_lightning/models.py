@@ -125,13 +125,17 @@ def tiny_config(family: str = "llama", **overrides):
 
 
 def build_tiny_model(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32,
-                     **overrides):
-    """Tiny random causal LM + byte tokenizer, initialised deterministically from ``seed``."""
+                     init_device: str | None = None, **overrides):
+    """Tiny random causal LM + byte tokenizer, initialised deterministically from ``seed``.
+
+    Any shape can be asked for (``hidden_size=4096, num_hidden_layers=32, …``: a random model of an
+    8B model's exact shape for GPU benchmarks); ``init_device="cuda"`` builds it there directly
+    (seconds instead of minutes of CPU initialisation; the numbers then differ from a CPU build)."""
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(family, **overrides)
     gen = torch.random.fork_rng(devices=[])
-    with gen:
+    with gen, (torch.device(init_device) if init_device else contextlib.nullcontext()):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         # HF inits norms to 1 / 0 and small std; perturb norms so they matter in tests.

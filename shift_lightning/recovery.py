@@ -26,7 +26,8 @@ Training details a long run needs:
   equals an uninterrupted one.
 
 After ``trainer.fit``, :meth:`RecoveryModule.export` merges LoRA into the weights and saves a
-normal shift-lightning folder that :func:`shift_lightning.load_pretrained` reloads.
+normal shift-lightning folder that :func:`shift_lightning.load_pretrained` reloads; under LoRA also the
+adapter in PEFT's format on top of the corrected base (:mod:`shift_lightning.export`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from .arch import base_model, decoder_layers
 from .errors import ConfigError
 from .nll import lm_nll_sum
 from .calibration.sites import pruned_positions
-from .checkpoint import save_pretrained
+from .export import export_recovered
 from .stepdata import RecoveryData, StepBatchSampler  # noqa: F401 (re-exported)
 from .surgery import adapter_module_names, adapter_set
 
@@ -89,7 +90,7 @@ class RecoveryConfig:
     """Log ``val/kl`` (next-token KL(original ‖ model), nats per position) and ``val/top1`` at every
     validation: the original's top-``val_kl_topk`` distributions on the validation windows are recorded
     once, before pruning (from the base model of a calibrated folder)."""
-    val_kl_topk: int = 64
+    val_kl_topk: int = 256
     """The original's most likely tokens kept per validation position."""
     gradient_checkpointing: bool = False
     """Recompute each block's activations in the backward pass instead of keeping them: training
@@ -360,11 +361,13 @@ class RecoveryModule(L.LightningModule):
             self.model = self.model.merge_and_unload()
         return self.model
 
-    def export(self, out_dir: str | Path, tokenizer, spec: dict) -> Path:
-        model = self.merged_model()
-        for p in model.parameters():
-            p.requires_grad_(False)
-        return save_pretrained(model, tokenizer, out_dir, spec)
+    def export(self, out_dir: str | Path, tokenizer, spec: dict, card=None, peft: bool = True,
+               base_ref: str | None = None) -> Path:
+        """Write the merged model into ``out_dir``; under LoRA (``peft``) also ``out_dir/lora`` (PEFT
+        adapter) and ``out_dir/base`` (the corrected base): :mod:`shift_lightning.export`. Afterwards
+        ``self.model`` is the merged plain model."""
+        self.model = export_recovered(self.model, tokenizer, out_dir, spec, card, peft, base_ref)
+        return Path(out_dir)
 
 
 def warmup_cosine(warmup: int, total: int, floor: float = 0.1):

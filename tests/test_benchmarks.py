@@ -13,11 +13,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_script_tiny_cpu_mode(tmp_path):
+def test_headline_and_gpu_scripts_tiny_cpu_mode(tmp_path):
+    """``headline_gpu.sh --tiny``: the headline job (train.py with llama8b_lora.yaml on a tiny random
+    shape: selection, calibration, LoRA + trained LRAs, validation and zero-shot at step 0 and at the
+    end, export), the reload + generate check, then ``gpu.sh --tiny``."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--tiny"], env=env, capture_output=True,
-                       text=True, timeout=900, cwd=tmp_path)
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "headline_gpu.sh"), "--tiny"], env=env, capture_output=True,
+                       text=True, timeout=1200, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    head = json.loads((tmp_path / "headline.json").read_text())
+    assert head["steps"] == 4 and head["pruned_layers"] == [5, 6] and head["train_tokens_per_s"] > 0
+    for tag in ("val/ppl", "val/kl", "zeroshot/avg", "train/loss"):
+        assert tag in head["curves"], tag
+    assert [s for s, _ in head["curves"]["val/ppl"]] == [0, 4] and [s for s, _ in head["curves"]["zeroshot/avg"]] == [0, 4]
+    assert 0 <= head["curves"]["val/kl"][0][1] < 0.1  # the corrected model starts close to the original
+    assert head["generate_tokens_per_s"] > 0 and list((tmp_path / "tb" / "headline").rglob("events.out.tfevents*"))
 
     cal = json.loads((tmp_path / "calibration.json").read_text())
     assert cal["removed"] == [5, 6]  # 25% of 8 blocks, reverse_star

@@ -136,6 +136,12 @@ def test_one_job_from_a_model_spec_one_and_two_processes(tmp_path):
     m, _ = load_pretrained(tmp_path / "one")
     ids = tok("one job", return_tensors="pt").input_ids
     assert m.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+    # besides the merged model: the LoRA as a PEFT adapter on the corrected base, and model cards
+    # (PeftModel round trip: tests/test_interop.py)
+    assert (tmp_path / "one" / "lora" / "adapter_config.json").is_file()
+    assert (tmp_path / "one" / "base" / "shift_config.json").is_file()
+    card = (tmp_path / "one" / "README.md").read_text()
+    assert "python train.py --config tiny_lora.yaml --output_dir" in card and "val/ppl" in card
     # TensorBoard: zero-shot at step 0 and at every validation, next to val/ppl, loss, lr, tokens/s
     sc = _scalars(tmp_path / "r1")
     assert [s for s, _ in sc["zeroshot/avg"]] == [0, 3, 6] and [s for s, _ in sc["val/ppl"]] == [0, 3, 6]

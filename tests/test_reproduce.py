@@ -185,3 +185,40 @@ def test_compare_runs_finds_identical_and_changed_outcomes(tmp_path):
     s = compare(CompareConfig(a=str(a), b=str(b), out=str(tmp_path / "changed")))["summary"]
     assert s["per_doc_differing"] == 1 and abs(s["max_ppl_rel_diff"] - 0.01) < 1e-6
     assert "1 of" in (tmp_path / "changed.md").read_text()
+
+
+def test_fidelity_sweep_reuses_the_grid_and_plots_kl_against_blocks_removed(tmp_path):
+    from shift_lightning.recipes.fidelity_sweep import SweepConfig, run as sweep
+    from shift_lightning.recipes.reproduce import run as run_grid
+
+    grid = _tiny_grid(tmp_path, criteria=["reverse_star"], variants=["pruned", "lra", "guarded"], out=str(tmp_path / "p"),
+                      calib_samples=8)
+    run_grid(grid)
+    cfg = SweepConfig(model="tiny", criteria=["reverse_star", "linear_fit"], ratios=[0.125, 0.25],
+                      repairs=["pruned", "lra", "guarded"], out=str(tmp_path / "sweep"), grid=grid)
+    folder = sweep(cfg)
+    made = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.json"))
+    # the grid's reverse_star runs at its ratio are reused; everything else is measured
+    assert made == sorted([f"reverse_star/ratio=0.125_{r}.json" for r in cfg.repairs]
+                          + [f"linear_fit/ratio={x:g}_{r}.json" for x in cfg.ratios for r in cfg.repairs])
+    doc = json.loads((tmp_path / "sweep" / "tiny.json").read_text())
+    assert len(doc["points"]) == 2 * 2 * 3
+    one = next(p for p in doc["points"] if p["criterion"] == "reverse_star" and p["ratio"] == 0.125)
+    assert one["blocks_removed"] == 1 and set(one["kl"]) == {grid.ppl_sets[0], "tasks"}
+    assert (tmp_path / "sweep" / "tiny.png").exists() and "| linear_fit | 0.25 | 2 |" in (tmp_path / "sweep" / "tiny.md").read_text()
+
+
+def test_domain_comparison_of_two_grids(tmp_path):
+    """The same grid calibrated on two texts: the comparison pairs the rows on the same docs."""
+    from shift_lightning.recipes.domain_compare import DomainCompareConfig, render
+    from shift_lightning.recipes.reproduce import run
+
+    kw = dict(criteria=["reverse_star"], variants=["pruned", "lra", "guarded"], calib_samples=8)
+    run(_tiny_grid(tmp_path, out=str(tmp_path / "a"), **kw))
+    run(_tiny_grid(tmp_path, out=str(tmp_path / "b"), calib_source=str(ROOT / "tests" / "data" / "tiny_heldout.txt"), **kw))
+    out = render(DomainCompareConfig(model="tiny", a=str(tmp_path / "a"), b=str(tmp_path / "b"), n_boot=50))
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert {(r["criterion"], r["repair"]) for r in doc["rows"]} == {("reverse_star", "lra"), ("reverse_star", "guarded")}
+    lra = next(r for r in doc["rows"] if r["repair"] == "lra")
+    assert lra["kl"]["a"] != lra["kl"]["b"] and "avg_diff_ci" in lra["b_minus_a"]
+    assert "| reverse_star | +LRA |" in out.with_suffix(".md").read_text()

@@ -98,6 +98,37 @@ def test_framework_free_modules_do_not_import_lightning():
         assert "lightning" not in imported and "pytorch_lightning" not in imported, name
 
 
+def test_lm_eval_is_an_optional_extra():
+    """Only ``shift_lightning.lmeval`` imports lm-eval, nothing imports it, and the package (the
+    loaders, recipes and exports) imports without lm-eval installed."""
+    offenders = []
+    for f in sorted(PKG.rglob("*.py")):
+        rel = f.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(n.split(".")[0] == "lm_eval" for n in names) and not rel.startswith("shift_lightning/lmeval/"):
+                offenders.append(rel)
+    assert offenders == []
+    edges = _module_graph()
+    assert [m for m, ts in edges.items() if "shift_lightning.lmeval" in ts and not m.startswith("shift_lightning.lmeval")] == []
+    code = ("import sys; sys.modules['lm_eval'] = None\n"
+            "import shift_lightning, shift_lightning.checkpoint, shift_lightning.export, shift_lightning.card\n"
+            "import shift_lightning.recipes.cli, shift_lightning.recipes.train, shift_lightning.recipes.evaluate\n"
+            "try:\n    import shift_lightning.lmeval\nexcept ImportError as e:\n    print('refused:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "refused: shift_lightning.lmeval needs lm-evaluation-harness: pip install 'lm-eval==0.4.13'" in r.stdout
+    # the console script pyproject.toml declares is the module's entry point
+    import re
+
+    from shift_lightning.lmeval import main
+
+    target = re.search(r'^shift-lm-eval = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert target is not None and target.group(1) == f"{main.__module__}:{main.__name__}"
+
+
 def _entry_for(config: Path):
     from shift_lightning.recipes import cli
 
@@ -162,6 +193,8 @@ def test_cli_saves_resolved_config_and_shows_only_what_matters(tmp_path):
     saved = (tmp_path / "o" / "config.yaml").read_text()
     assert "damping: 0.001" in saved and "criterion:" in saved
     assert r.stdout.rstrip().splitlines()[-1].startswith(f"Results in {tmp_path / 'o'}/")  # the closing summary
+    card = (tmp_path / "o" / "README.md").read_text()  # the model card quotes the command
+    assert f"`python calibrate.py --config tiny.yaml --output_dir {tmp_path / 'o'} --calibration.damping 0.001`" in card
     # output captured (as in a log file): plain progress lines naming each stage, no third-party noise
     assert "calibration statistics: done, 4 steps" in r.stderr and "held-out errors: done, 2 steps" in r.stderr
     for noise in ("Predicting", "GPU available", "TPU available", "litlogger", "Writing model shards", "\r",
@@ -234,3 +267,15 @@ def test_library_modules_stay_short_or_say_why():
     assert set(long) <= set(LONG_MODULES), {k: v for k, v in long.items() if k not in LONG_MODULES}
     assert _long_modules(limit=10_000) == {}
     assert "shift_lightning/calibration/module.py" in _long_modules(limit=100)  # the check sees the package
+
+
+def test_solver_registry_and_config_choices_agree():
+    """Every registered solver is a valid ``--calibration.solver`` and the reverse (a new solver is one
+    file, one import line and its name in ``SolverName``)."""
+    import typing
+
+    from shift_lightning.calibration import SOLVERS, SolverName
+
+    assert set(typing.get_args(SolverName)) == set(SOLVERS)
+    for name, cls in SOLVERS.items():
+        assert cls.name == name and cls.label.startswith("+"), name

@@ -77,7 +77,7 @@ class EvalConfig:
     (:meth:`Evaluator.record_reference`; the entry points record them from the unpruned model)."""
     kl_docs: int = 50
     """With ``kl``: docs per task whose prompts (contexts, no answers) are compared (0: none)."""
-    kl_topk: int = 64
+    kl_topk: int = 256
     """With ``kl``: the original's most likely tokens kept per position (the rest is one bucket)."""
 
 
@@ -150,6 +150,8 @@ class Evaluator:
         self.reference: dict[tuple[str, int], "F.TopK"] = {}
         """The original's top-k distributions per (set, window), recorded on this rank's units."""
         self.recorded = False
+        self.reference_file = None
+        """Where the reference was read from, when it was cached rather than recorded."""
         self._softcap = None
         # Dense per-doc float64 vectors in the (rank-independent) doc order of task_data.
         self.pos = {t: {d.idx: i for i, d in enumerate(td.docs)} for t, td in self.task_data.items()}
@@ -208,23 +210,22 @@ class Evaluator:
         softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
 
         def on_logits(i: int, logits: torch.Tensor, item: int | None = None) -> None:
+            ref = F.topk_reference(logits, self.cfg.kl_topk, softcap) if record else self.reference[(name, i)]
             if record:
-                self.reference[(name, i)] = F.topk_reference(logits, self.cfg.kl_topk, softcap)
-            else:
-                self.fidelity[name].add(i if item is None else item, logits, self.reference[(name, i)], softcap)
+                self.reference[(name, i)] = ref
+            self.fidelity[name].add(i if item is None else item, logits, ref, softcap)  # the original: KL 0
 
         return on_logits
 
     def score_unit(self, model: nn.Module, unit: Unit, record: bool = False) -> None:
-        """Score ``unit``; with ``record`` (the original model) keep its distributions as the reference
-        instead (task units are then skipped)."""
+        """Score ``unit``; with ``record`` (the original model) also keep its distributions as the
+        reference of every later evaluation (its own closeness is then KL 0, top-1 100 %)."""
         if unit.kind == "ppl":
             hook = self._closeness(model, unit.name, record)
             cb = None if hook is None else (lambda i, lg: hook(unit.start + i, lg))
             nll, n = P.window_nll(model, unit.items, self.cfg.ppl_batch_size, on_logits=cb)
-            if not record:
-                self.sums[f"ppl/{unit.name}"]["nll"] += nll
-                self.sums[f"ppl/{unit.name}"]["tokens"] += n
+            self.sums[f"ppl/{unit.name}"]["nll"] += nll
+            self.sums[f"ppl/{unit.name}"]["tokens"] += n
             return
         if unit.kind == "prompts":
             hook = self._closeness(model, unit.name, record)
@@ -232,8 +233,6 @@ class Evaluator:
                 pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
                 for i, lg in F.prompt_logits(model, unit.items, self.cfg.max_batch_tokens, pad):
                     hook(unit.start + i, lg, unit.items[i].item)
-            return
-        if record:
             return
         docs: list[Doc] = unit.items
         reqs, spans = [], []
@@ -291,7 +290,7 @@ class Evaluator:
                                     "windows": len(self.ppl_windows[p]), "seq_len": self.cfg.ppl_seq_len,
                                     "stride": self.cfg.ppl_stride or self.cfg.ppl_seq_len - 1,
                                     "bos": self.ppl_bos}
-        if self.cfg.kl and self.recorded:
+        if self.cfg.kl and (self.recorded or self.reference):
             res["fidelity"] = {name: F.summarize(f) for name, f in self.fidelity.items()}
             res["kl"] = {name: e["kl"] for name, e in res["fidelity"].items()}
             res["top1"] = {name: e["top1"] for name, e in res["fidelity"].items()}

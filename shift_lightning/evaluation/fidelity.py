@@ -14,9 +14,9 @@ and every later evaluation with the same evaluator reports, per set, the mean KL
 position and the top-1 agreement, with 95 % bootstrap intervals over windows (perplexity sets) or
 docs (``tasks``): the items are resampled, and the ratio ``Σ KL / Σ positions`` is taken per resample.
 
-Memory: the reference keeps ``k`` (int64 + float32) values per position (64 → 768 B), e.g. 16 MB for
-the 16 k positions of two 16 × 512-token sets plus ~20 k prompt positions; the model's logits are
-consumed one batch (perplexity) or one token budget (prompts) at a time.
+Memory: the reference keeps ``k`` (int64 + float32) values per position (256 → 3 KB), e.g. 94 MB for
+the 16 k positions of two 16 × 512-token sets plus ~14 k prompt positions, whatever the vocabulary;
+the model's logits are consumed one batch (perplexity) or one token budget (prompts) at a time.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from . import scoring as S
 from .evaluator import (EvalConfig, Evaluator, TokenizerMissing, Unit, check_tokenizer,  # noqa: F401 (re-exported)
                         chance_level, make_evaluator)
 
-def run_units(model: nn.Module, evaluator: Evaluator, units: list[Unit], progress: bool) -> None:
+def run_units(model: nn.Module, evaluator: Evaluator, units: list[Unit], progress: bool, record: bool = False) -> None:
     """Score ``units`` in eval mode (training mode restored afterwards)."""
     was_training = model.training
     model.eval()
@@ -35,7 +35,7 @@ def run_units(model: nn.Module, evaluator: Evaluator, units: list[Unit], progres
 
             it = tqdm(units, desc="eval units", dynamic_ncols=True)
         for u in it:
-            evaluator.score_unit(model, u)
+            evaluator.score_unit(model, u, record=record)
     finally:
         model.train(was_training)
 
@@ -48,6 +48,7 @@ def record_reference(model: nn.Module, evaluator: Evaluator) -> None:
         return
     units = evaluator.units()
     mine = [units[i] for i in RankShard(len(units), dist.rank(), dist.world_size())]
+    evaluator.reset(S._param_device(model))
     was_training = model.training
     model.eval()
     try:
@@ -60,12 +61,13 @@ def record_reference(model: nn.Module, evaluator: Evaluator) -> None:
 
 
 def evaluate_model(model: nn.Module, tokenizer, cfg: EvalConfig | None = None, evaluator: Evaluator | None = None,
-                   tasks: bool = True) -> dict:
+                   tasks: bool = True, record: bool = False) -> dict:
     """Evaluate an in-memory (original, pruned, corrected or LoRA-wrapped) model.
 
     Under ``torch.distributed`` every rank must call it; each scores units ``rank::world`` and all
     get the same synced result. Returns the results dict (see :meth:`Evaluator.compute`).
-    ``tasks=False``: perplexity and closeness only (the zero-shot units are skipped).
+    ``tasks=False``: perplexity and closeness only (the zero-shot units are skipped); ``record``:
+    ``model`` is the original, whose distributions become the closeness reference in the same pass.
     """
     cfg = cfg or EvalConfig()
     evaluator = evaluator or make_evaluator(model, tokenizer, cfg)
@@ -75,8 +77,9 @@ def evaluate_model(model: nn.Module, tokenizer, cfg: EvalConfig | None = None, e
     if not tasks:
         mine = [u for u in mine if u.kind != "task"]
     t0 = time.time()
-    run_units(model, evaluator, mine, cfg.progress and dist.rank() == 0)
+    run_units(model, evaluator, mine, cfg.progress and dist.rank() == 0, record)
     sum_across_ranks(evaluator.state())
+    evaluator.recorded = evaluator.recorded or (record and cfg.kl)
     out = evaluator.compute(tasks=tasks)
     out["seconds"] = time.time() - t0
     out["world_size"] = dist.world_size()
@@ -98,24 +101,32 @@ class EvalModule(DataPass):
         self.evaluator = make_evaluator(model, tokenizer, cfg)
         self.results: dict | None = None
         self._t0 = 0.0
-        self._record = False
+        self._record = self._reference_only = False
 
-    def evaluate(self, trainer) -> dict:
-        """Score every unit once over all ranks; returns (and keeps) the results."""
-        self.run(trainer, self.evaluator.units(), batch_size=None)
-        return self.results
-
-    def record_reference(self, trainer) -> None:
-        """Record the (original) model's distributions as the closeness reference (``cfg.kl``): the
-        same units on the same ranks as every later :meth:`evaluate`."""
-        if not self.cfg.kl:
-            return
-        stage, self.stage, self._record = self.stage, "closeness reference (original model)", True
+    def evaluate(self, trainer, record: bool = False) -> dict:
+        """Score every unit once over all ranks; returns (and keeps) the results. ``record``: this is
+        the original model; its distributions become the closeness reference in the same pass."""
+        self._record = record and self.cfg.kl
+        if self._record:
+            self.evaluator.recorded = True
         try:
             self.run(trainer, self.evaluator.units(), batch_size=None)
         finally:
-            self.stage, self._record = stage, False
+            self._record = False
+        return self.results
+
+    def record_reference(self, trainer) -> None:
+        """Record the (original) model's distributions as the closeness reference (``cfg.kl``) without
+        scoring the tasks: the same units on the same ranks as every later :meth:`evaluate`."""
+        if not self.cfg.kl:
+            return
+        stage, self.stage = self.stage, "closeness reference (original model)"
+        self._record = self._reference_only = True
         self.evaluator.recorded = True
+        try:
+            self.run(trainer, self.evaluator.units(), batch_size=None)
+        finally:
+            self.stage, self._record, self._reference_only = stage, False, False
 
     def begin(self) -> None:
         self.evaluator.reset(self.device)
@@ -123,13 +134,15 @@ class EvalModule(DataPass):
         self._t0 = time.time()
 
     def step(self, unit: Unit, batch_idx: int) -> None:
+        if self._reference_only and unit.kind == "task":
+            return
         self.evaluator.score_unit(self.model, unit, record=self._record)
 
     def state(self) -> list[torch.Tensor]:
         return self.evaluator.state()
 
     def finish(self) -> None:
-        if self._record:
+        if self._reference_only:
             return
         self.results = self.evaluator.compute()
         self.results["seconds"] = time.time() - self._t0

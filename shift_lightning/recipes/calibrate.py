@@ -31,6 +31,7 @@ from ..progress import with_stage_progress
 from ..stopping import with_signal_guard
 from ..selection import select_blocks
 from ..calibration import pruned_positions
+from ..card import CardFacts, evaluation_table
 from ..checkpoint import load_pretrained, save_adapters, save_pretrained
 from ..surgery import apply_correction, remove_blocks
 
@@ -124,6 +125,7 @@ def run_calibration(
     evaluate_baselines: bool = False,
     resolved_config: str | None = None,
     extra_files: dict[str, Any] | None = None,
+    command: str | None = None,
 ) -> CalibrationResult:
     """Prune + calibrate; write the corrected model and ``calibration_report.json`` to ``output_dir``.
 
@@ -134,6 +136,7 @@ def run_calibration(
     ``resolved_config`` (YAML text) is saved as ``config.yaml`` next to the outputs.
     ``save_model="adapters"`` writes an adapter-only folder (the base model is named, not copied).
     ``trainer``: Trainer keyword arguments, or a built Trainer to run every pass on.
+    ``command``: the command line that made the run (the model card quotes it).
     """
     model_cfg, data = model or ModelConfig(), data or TextDataConfig()
     heldout = heldout if heldout is not None else default_heldout()
@@ -170,10 +173,10 @@ def run_calibration(
     do_eval = evaluate is not None and bool(evaluate.tasks or evaluate.ppl)
     evals: dict[str, dict] = {}
     scorer = ModelEvaluation(lm, tokenizer, evaluate, make_trainer) if do_eval else None
-    if do_eval:  # the original's distributions first: closeness of every later evaluation to it
+    if do_eval and evaluate_baselines:  # the original's distributions are recorded in the same pass
+        evals["original"] = scorer("original", record=True)
+    elif do_eval:  # closeness of every later evaluation to the original
         scorer.record_reference()
-    if do_eval and evaluate_baselines:
-        evals["original"] = scorer("original")
 
     params_before = num_params(lm)
     module = CalibrationModule(lm, selection.layers, calibration)
@@ -221,13 +224,15 @@ def run_calibration(
         spec = {"original_num_layers": n_layers, "pruned_layers": selection.layers,
                 "base_model": report["model"], "criterion": selection.criterion, "correction": calibration.solver}
 
+        card = CardFacts(command=command, calibration=report)
+
         def write(tmp: Path):
             if save_model == "adapters":
                 kept = [i for i in range(n_layers) if i not in set(selection.layers)]
                 save_adapters(lm, tokenizer, tmp, spec, asdict(model_cfg),
-                              {kept.index(i): T for i, T in correction.branch_maps.items()})
+                              {kept.index(i): T for i, T in correction.branch_maps.items()}, card=card)
             elif save_model:
-                save_pretrained(lm, tokenizer, tmp, spec)
+                save_pretrained(lm, tokenizer, tmp, spec, card=card)
             for name, doc in (extra_files or {}).items():
                 (tmp / name).write_text(json.dumps(doc, indent=2))
             (tmp / "calibration_report.json").write_text(json.dumps(report, indent=2))
@@ -254,9 +259,9 @@ class ModelEvaluation:
     def record_reference(self) -> None:
         self.module.record_reference(self.make_trainer())
 
-    def __call__(self, label: str) -> dict:
+    def __call__(self, label: str, record: bool = False) -> dict:
         self.module.stage = f"evaluation ({label} model)"
-        return self.module.evaluate(self.make_trainer())
+        return self.module.evaluate(self.make_trainer(), record=record)
 
 
 def _adapter_table(n_layers: int, removed: list[int], adapters: dict) -> list[dict]:
@@ -282,31 +287,3 @@ def report_markdown(r: dict) -> str:
     if r.get("evaluation"):
         lines += ["", "## Evaluation", "", *evaluation_table(r["evaluation"])]
     return "\n".join(lines) + "\n"
-
-
-def evaluation_table(evals: dict[str, dict]) -> list[str]:
-    """Markdown rows comparing variants (original / pruned / pruned+lra) on tasks and perplexity."""
-    variants = list(evals)
-    tasks = sorted({t for e in evals.values() for t in e.get("tasks", {})})
-    ppls = sorted({p for e in evals.values() for p in e.get("perplexity", {})})
-    rows = ["| metric | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
-    for t in tasks:
-        first = next(e["tasks"][t] for e in evals.values() if t in e.get("tasks", {}))
-        vals = [f"{100 * e['tasks'][t]['value']:.2f}" if t in e.get("tasks", {}) else "" for e in evals.values()]
-        rows.append(f"| {t} ({first['metric']}, n={first['n']}) | " + " | ".join(vals) + " |")
-    if tasks:
-        rows.append("| average | " + " | ".join(f"{100 * e['average']:.2f}" if e.get("average") is not None else ""
-                                             for e in evals.values()) + " |")
-    for p in ppls:
-        first = next(e["perplexity"][p] for e in evals.values() if p in e.get("perplexity", {}))
-        vals = [f"{e['perplexity'][p]['ppl']:.4g}" if p in e.get("perplexity", {}) else "" for e in evals.values()]
-        rows.append(f"| PPL {p} ({first['tokens']} tokens) | " + " | ".join(vals) + " |")
-    sets = sorted({k for e in evals.values() for k in e.get("kl", {})})
-    for k in sets:
-        f = next(e["fidelity"][k] for e in evals.values() if k in e.get("kl", {}))
-        rows.append(f"| KL(original ‖ model) {k} ({f['positions']} positions) | "
-                    + " | ".join(f"{e['kl'][k]:.4f}" if k in e.get("kl", {}) else "" for e in evals.values()) + " |")
-        rows.append(f"| top-1 agreement {k} | "
-                    + " | ".join(f"{100 * e['top1'][k]:.2f}" if k in e.get("top1", {}) else "" for e in evals.values())
-                    + " |")
-    return rows

@@ -17,6 +17,7 @@ next to its outputs.
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -158,6 +159,9 @@ def train_parser() -> LightningArgumentParser:
     p.set_defaults({"trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                                        "init_args": {"save_dir": "runs", "name": "recovery"}}})
     _output_args(p, "the recovered (merged) model")
+    p.add_argument("--save_peft", type=bool, default=True,
+                   help="Under LoRA also save the adapter in PEFT's format (<output_dir>/lora, trained LRAs inside) "
+                        "on top of the corrected base (<output_dir>/base: a second copy of the model)")
     p.add_argument("--ckpt_path", type=str | None, default=None,
                    help="Resume training: 'last' (the job's own <output_dir>.ckpt/last.ckpt) or a checkpoint path")
     return p
@@ -340,6 +344,7 @@ def calibrate_main(argv: list[str] | None = None):
             calibration=init.calibration, trainer=trainer_kwargs(cfg.trainer),
             output_dir=cfg.output_dir, overwrite=cfg.overwrite, save_model=cfg.save_model,
             evaluate=init.evaluate, evaluate_baselines=cfg.evaluate_baselines, resolved_config=resolved,
+            command=shlex.join(["python", "calibrate.py", *args]),
         )
         _summary([report_markdown(result.report),
                   f"Results in {cfg.output_dir}/ (calibration_report.md, config.yaml"
@@ -388,7 +393,8 @@ def train_main(argv: list[str] | None = None):
         result = run_training(trainer, model=init.model, data=init.data, heldout=init.heldout, prune=init.prune,
                               calibration=init.calibration, train_data=init.train_data, val=init.val,
                               recovery=init.recovery, output_dir=cfg.output_dir, overwrite=cfg.overwrite,
-                              ckpt_path=cfg.ckpt_path, resolved_config=resolved)
+                              ckpt_path=cfg.ckpt_path, resolved_config=resolved, save_peft=cfg.save_peft,
+                              command=shlex.join(["python", "train.py", *args]))
         if trainer.is_global_zero:
             r = result.report
             _summary([f"{r['steps']} steps, {r['trainable_params']:,} trainable parameters, "
@@ -396,7 +402,9 @@ def train_main(argv: list[str] | None = None):
                       f"{r['metrics_after'].get('val/ppl', float('nan')):.4g}"
                       + (f", zeroshot/avg {r['metrics_before'].get('zeroshot/avg', float('nan')):.4f} -> "
                          f"{r['metrics_after'].get('zeroshot/avg', float('nan')):.4f}" if zeroshot else ""),
-                      f"Recovered model in {cfg.output_dir}/ (recovery_report.json, config.yaml); calibration in "
+                      f"Recovered model in {cfg.output_dir}/ (recovery_report.json, config.yaml, README.md"
+                      + (", lora/ + base/: the PEFT adapter and its base" if cfg.save_peft and init.recovery.method == "lora"
+                         else "") + "); calibration in "
                       f"{cfg.output_dir}.calibration/; checkpoints in {cfg.output_dir}.ckpt/; "
                       "TensorBoard: tensorboard --logdir runs"])
         return result

@@ -137,6 +137,55 @@ class RunFolder:
 # ---------------------------------------------------------------------------------------------
 # The shared context of a grid
 # ---------------------------------------------------------------------------------------------
+def reference_file(model: nn.Module, name: str, cfg: EvalConfig, device: torch.device) -> Path:
+    """Where the original's closeness reference is cached: keyed by the model (name, size, a checksum
+    of its weights), the evaluation settings and the device type."""
+    import hashlib
+
+    with torch.no_grad():
+        check = [float(p.double().sum()) for p in list(model.parameters())[:3]] + [sum(p.numel() for p in
+                                                                                     model.parameters())]
+    key = json.dumps({"model": name, "weights": check, "eval": asdict(cfg), "device": device.type}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return assets.cache_root() / "closeness" / f"{model_key(name)}-{digest}.safetensors"
+
+
+def save_reference(evaluator: Evaluator, path: Path) -> None:
+    """Cache the recorded reference (one process only: under DDP each rank holds its own units)."""
+    import torch.distributed as tdist
+    from safetensors.torch import save_file
+
+    if tdist.is_available() and tdist.is_initialized():
+        return
+    tensors = {}
+    for (name, i), ref in evaluator.reference.items():
+        tensors[f"{name}\t{i}\tindex"], tensors[f"{name}\t{i}\tlogp"] = ref.index.contiguous(), ref.logp.contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+
+
+def load_reference(evaluator: Evaluator, path: Path) -> bool:
+    """Use a cached reference when there is one (single process); returns whether it was used."""
+    import torch.distributed as tdist
+    from safetensors.torch import load_file
+
+    from ..fidelity import TopK
+
+    evaluator.reference_file = None
+    if not path.exists() or (tdist.is_available() and tdist.is_initialized()):
+        return False
+    t = load_file(str(path))
+    refs: dict = {}
+    for key in t:
+        name, i, part = key.split("\t")
+        refs.setdefault((name, int(i)), {})[part] = t[key]
+    evaluator.reference = {k: TopK(v["index"], v["logp"]) for k, v in refs.items()}
+    evaluator.recorded, evaluator.reference_file = True, path
+    return True
+
+
 @dataclass
 class GridContext:
     """What every run of a grid shares (see the module doc)."""
@@ -190,8 +239,12 @@ def open_grid(model: str, tiny: dict | None, device: str, eval_config: Callable[
     evaluator = make_evaluator(lm, tokenizer, ev_cfg)
     if ev_cfg.kl:
         t0 = time.time()
-        record_reference(lm, evaluator)
-        log.info("%s: the original's closeness reference recorded (%d positions kept, top %d; %.0f s)", model,
+        cached = reference_file(lm, model, ev_cfg, dev)
+        if not load_reference(evaluator, cached):
+            record_reference(lm, evaluator)
+            save_reference(evaluator, cached)
+        log.info("%s: the original's closeness reference %s (%d positions kept, top %d; %.0f s)", model,
+                 "read from " + str(cached) if evaluator.reference_file else "recorded",
                  sum(len(r) for r in evaluator.reference.values()), ev_cfg.kl_topk, time.time() - t0)
     meta = {"model": model, "model_type": lm.config.model_type, "layers": len(decoder_layers(lm)), **meta,
             "eval": asdict(ev_cfg), "software": software(dev)}

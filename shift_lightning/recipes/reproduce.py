@@ -106,7 +106,7 @@ class ReproduceConfig:
     """Closeness to the original (KL, top-1) on the perplexity windows and the tasks' prompts."""
     kl_docs: int = 50
     """Docs per task whose prompts count for closeness."""
-    kl_topk: int = 64
+    kl_topk: int = 256
     """The original's top-k next-token probabilities kept per position."""
     max_batch_tokens: int | None = None
     """Scorer batch budget (default 8192; 2048 for vocabularies over 100k tokens)."""
@@ -227,7 +227,8 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
     remove_blocks(model, layers)
     base_params = num_params(model)
     cache = TrunkCache(depth=max(layers[0] - 1, 0))
-    order = sorted(new + old, key=lambda v: v != "pruned")  # the pruned model records the shared blocks
+    # the pruned model records the shared blocks; closeness for older runs (fast) before new runs
+    order = sorted(new + old, key=lambda v: (v != "pruned", v in new))
     for i, variant in enumerate(order):
         name = f"{crit}/{variant}"
         correction = module.correction(variant) if variant != "pruned" else None

@@ -4,7 +4,9 @@
         <output_dir>.calibration/   report + adapter-only folder (reused when the job is run again)
     ──recover (LoRA / partial / LRAs; TensorBoard: val/ppl, zeroshot/*, train/*)──>
         <output_dir>.ckpt/last.ckpt  trainable tensors + optimizer + scheduler + loop (also on a stop)
-    ──export──> <output_dir>/        merged model + recovery_report.json + config.yaml
+    ──export──> <output_dir>/        merged model + recovery_report.json + config.yaml + README.md (card);
+                 <output_dir>/lora/   under LoRA: the adapter in PEFT's format (LRAs trained with it inside)
+                 <output_dir>/base/   ... on top of this corrected base (pruned + repaired, before recovery)
 
 Given a calibrated folder (``calibrate.py`` output or ``<output_dir>.calibration``) as
 ``--model.name_or_path``, the calibration stage is skipped. ``--ckpt_path last`` resumes.
@@ -20,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
 from .. import dist
 from ..arch import decoder_layers
 from ..calibration import CalibrationConfig
+from ..card import CardFacts, base_model_name
 from ..criteria import PruneConfig
 from ..data import TextDataConfig, build_windows
 from ..errors import ConfigError
@@ -120,6 +124,7 @@ def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, o
                              extra_files={"calibration_key.json": key}, built=built)
     spec = {"original_num_layers": result.report["original_num_layers"],
             "pruned_layers": result.report["pruned_layers"], "criterion": result.report["selection"]["criterion"],
+            "base_model": result.report["model"],
             "correction": calib["calibration"].solver}
     return result.model, result.tokenizer, spec
 
@@ -140,10 +145,14 @@ def run_training(
     built: tuple | None = None,
     resolved_config: str | None = None,
     reference: nn.Module | None = None,
+    save_peft: bool = True,
+    command: str | None = None,
 ) -> RecoveryResult:
     """The whole job (see the module docstring). ``trainer`` comes built (``--trainer.*``: devices,
     strategy, precision, max_steps, logger, callbacks); ``built=(model, tokenizer, spec)`` injects an
-    already corrected model (tests, notebooks), ``reference`` its unpruned original (``val/kl``)."""
+    already corrected model (tests, notebooks), ``reference`` its unpruned original (``val/kl``).
+    ``save_peft``: under LoRA also write ``lora/`` (PEFT adapter) and ``base/`` (the corrected base);
+    ``command``: the command line of the job (the model card quotes it)."""
     model_cfg = model or ModelConfig()
     recovery = recovery or RecoveryConfig()
     train_data = train_data or TextDataConfig(num_samples=256, seed=1)
@@ -191,8 +200,11 @@ def run_training(
             record(reference, tokenizer)
     else:
         lm, tokenizer, spec = _calibrated_model(trainer, model_cfg, calib, output_dir, overwrite, resolved_config, record)
+    base = base_model_name(spec.get("base_model"))
     spec = {k: v for k, v in spec.items() if k not in ("adapters", "format_version", "weights", "base_model",
                                                        "branch_maps")}
+    if base is not None:
+        spec["base_model"] = base
     spec.setdefault("original_num_layers", len(decoder_layers(lm)))
     spec.setdefault("pruned_layers", [])
     t_cal = time.time()
@@ -215,28 +227,38 @@ def run_training(
         clear_checkpoints(ckpt_dir)  # an earlier run's (checked above: only with --overwrite)
     dist.barrier()
     after = {}
+    step0 = int(resumed.get("global_step", 0)) if resumed is not None else trainer.global_step
+    t_fit = time.time()
     if trainer.max_steps != 0:
         trainer.fit(module, datamodule=dm, ckpt_path=str(resume_from) if resumed is not None else None,
                     weights_only=True)  # nothing unpickled
         after = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        if val_w is not None and module.last_validated_step != trainer.global_step:
-            trainer.validate(module, datamodule=dm, verbose=False)  # the final model is always validated
+    t_fit = time.time() - t_fit
+    if trainer.max_steps != 0 and val_w is not None and module.last_validated_step != trainer.global_step:
+        trainer.validate(module, datamodule=dm, verbose=False)  # the final model is always validated
     after.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     steps = trainer.global_step
+    tokens = (steps - step0) * trainer.world_size * train_data.batch_size * trainer.accumulate_grad_batches \
+        * train_data.seq_len
     report = {
         "model": model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny},
         "pruned_layers": spec["pruned_layers"], "recovery": asdict(recovery), "trainable_params": n_train,
         "train_windows": len(train_w), "train_tokens_per_window": train_data.seq_len, "steps": steps,
         "recovered": steps > 0, "metrics_before": before, "metrics_after": after,
         "loss_history": module.loss_history, "world_size": trainer.world_size,
-        "seconds": {"calibration": t_cal - t0, "total": time.time() - t0},
+        "seconds": {"calibration": t_cal - t0, "fit": t_fit, "total": time.time() - t0},
+        "train_tokens_per_s": tokens / t_fit if t_fit > 0 and tokens else None,
+        "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
     }
     if steps == 0:
         log.warning("No training step was taken (max_steps %s): the exported model is the calibrated one, "
                     "marked \"recovered\": false", trainer.max_steps)
     if output_dir is not None and trainer.is_global_zero:
+        card = CardFacts(command=command, calibration=_calibration_report(model_cfg, output_dir, built), recovery=report)
+
         def write(tmp: Path):
-            module.export(tmp, tokenizer, {**spec, "recovered": steps > 0, "recovery_steps": steps})
+            module.export(tmp, tokenizer, {**spec, "recovered": steps > 0, "recovery_steps": steps}, card=card,
+                          peft=save_peft, base_ref=str(Path(output_dir).resolve() / "base"))
             (tmp / "recovery_report.json").write_text(json.dumps(report, indent=2))
             if resolved_config:
                 (tmp / "config.yaml").write_text(resolved_config)
@@ -256,6 +278,16 @@ def check_schedule(trainer: L.Trainer, val: TextDataConfig | None) -> None:
         log.warning("--trainer.val_check_interval %d is more than the %d training batches (--trainer.max_steps %d): "
                     "no validation during training, and no periodic checkpoint; the final model is validated once "
                     "at the end", every, batches, steps)
+
+
+def _calibration_report(model_cfg: ModelConfig, output_dir: str, built) -> dict | None:
+    """The calibration report of the corrected model (the given calibrated folder's, or the job's own)."""
+    if built is not None:
+        return None
+    folder = Path(model_cfg.name_or_path) if model_cfg.tiny is None and is_shift_folder(model_cfg.name_or_path) \
+        else calibration_dir(output_dir)
+    f = folder / "calibration_report.json"
+    return json.loads(f.read_text()) if f.is_file() else None
 
 
 def training_callbacks(output_dir: str | None, zeroshot: EvalConfig | None, every_n_steps: int | None) -> list:

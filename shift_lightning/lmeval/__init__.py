@@ -1,0 +1,96 @@
+"""lm-evaluation-harness integration: the ``shift`` model, a saved folder with its adapters.
+
+``lm_eval --model hf`` cannot load a pruned + corrected folder (its adapters live in hooks), so this
+module registers :class:`ShiftLM` as ``--model shift``: lm-eval's own ``HFLM`` (same tokenisation,
+batching, metrics, every task) with the model loaded by :func:`shift_lightning.load_pretrained`
+(no remote code; adapter-only folders, HF ids, ``.gguf`` files and embedded names such as
+``smollm2-135m`` work too). ``peft=<adapter folder>`` puts a PEFT adapter (a LoRA recovery's
+``lora/``) on top.
+
+lm-eval 0.4.13 finds models through its registry only (no plugin entry points), so the harness's
+own ``lm_eval`` command does not know ``shift``; run it through this module, which registers the
+model and then hands the command line to the harness unchanged::
+
+    python -m shift_lightning.lmeval --model shift --model_args pretrained=outputs/x --tasks arc_easy,piqa --device cpu
+
+or from Python (importing this module registers the name)::
+
+    import lm_eval, shift_lightning.lmeval
+    lm_eval.simple_evaluate(model="shift", model_args="pretrained=outputs/x", tasks=["arc_easy"])
+
+lm-eval is an optional extra: nothing else in the package imports this module
+(``tests/test_structure.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.huggingface import HFLM
+except ImportError as e:  # an optional extra
+    raise ImportError("shift_lightning.lmeval needs lm-evaluation-harness: pip install 'lm-eval==0.4.13' "
+                      "(or the project's [lmeval] extra)") from e
+
+#: HFLM loading options that make no sense for a model loaded by ``load_pretrained``.
+_UNSUPPORTED = ("delta", "autogptq", "gptqmodel", "gguf_file", "parallelize", "tp_plan", "revision", "subfolder")
+
+
+@register_model("shift", "shift-lightning")
+class ShiftLM(HFLM):
+    """``HFLM`` over ``shift_lightning.load_pretrained(pretrained, dtype)``: a saved folder with its
+    adapters (or any model the loader reads). ``dtype``: ``auto`` (as saved), ``float32``, ``bfloat16``,
+    ``float16``, ``float64``; ``device``: ``cuda`` / ``cpu`` / ``cuda:N`` (default: cuda if available);
+    ``peft``: a PEFT adapter folder applied on top. Every other HFLM option (``batch_size``,
+    ``max_length``, ``add_bos_token``, …) works as for ``--model hf``."""
+
+    def __init__(self, pretrained, dtype: str | torch.dtype | None = "auto", device: str | None = None,
+                 peft: str | None = None, **kwargs):
+        from ..checkpoint import load_pretrained
+
+        given = sorted(k for k in _UNSUPPORTED if kwargs.get(k) not in (None, False, "", "main"))
+        if given:
+            raise ValueError(f"--model shift does not support {given}: the folder is loaded by "
+                             "shift_lightning.load_pretrained")
+        for k in (*_UNSUPPORTED, "trust_remote_code"):  # load_pretrained never runs a folder's code
+            kwargs.pop(k, None)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and "LOCAL_RANK" in os.environ:  # `accelerate launch`: one GPU per process
+            device = f"cuda:{os.environ['LOCAL_RANK']}"
+        self._loaded = load_pretrained(str(pretrained), dtype=None if dtype in (None, "auto") else dtype,
+                                       device=device)
+        self._peft_path = peft
+        super().__init__(pretrained=str(pretrained), device=device, backend="causal", **kwargs)
+
+    def _get_config(self, pretrained, **kwargs) -> None:
+        self._config = self._loaded[0].config
+
+    def _create_tokenizer(self, pretrained, tokenizer, **kwargs) -> None:
+        if tokenizer:
+            return super()._create_tokenizer(pretrained, tokenizer, **kwargs)
+        if self._loaded[1] is None:
+            raise ValueError(f"{pretrained} has no tokenizer: pass --model_args tokenizer=<name or folder>")
+        self.tokenizer = self._loaded[1]
+
+    def _create_model(self, pretrained, **kwargs) -> None:
+        model = self._loaded[0]
+        if self._peft_path:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, self._peft_path)
+        self._model = model.eval()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``lm_eval``'s command line with ``--model shift`` registered (importing this module did)."""
+    import sys
+
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
