@@ -315,6 +315,26 @@ def test_disk_full_while_saving_is_one_line_and_the_previous_run_stays(tmp_path,
     assert _listing(out) == before
 
 
+def test_disk_full_while_saving_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+    import torch
+    from lightning.fabric.plugins.io import torch_io
+
+    from shift_lightning.resume import AtomicCheckpointIO
+
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 1, "w": torch.ones(3)}, path)
+
+    def enospc(checkpoint, filepath):
+        Path(filepath).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch_io, "_atomic_save", enospc)
+    with pytest.raises(OutputError, match=f"Could not save the checkpoint {path}: No space left on device; the previous "
+                                          "checkpoint stays as it was"):
+        AtomicCheckpointIO().save_checkpoint({"global_step": 2, "w": torch.zeros(3)}, path)
+    assert torch.load(path, weights_only=True)["global_step"] == 1 and os.listdir(tmp_path) == ["last.ckpt"]
+
+
 @pytest.mark.parametrize("damage", ["truncated", "pickle_hf", "pickle_shift"])
 def test_damaged_model_files_are_one_line(saved, tmp_path, capsys, damage):
     class Evil:
