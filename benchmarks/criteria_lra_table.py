@@ -51,13 +51,13 @@ def main():
                 prune=PruneConfig(layers=layers), calibration=CalibrationConfig(),
                 trainer={"accelerator": "cpu", "enable_progress_bar": False},
                 evaluate=ev, evaluate_baselines=True)
-            e = rep.report["evaluation"]
+            e = rep.report.evaluation
             seen[key] = {
                 "original": e["original"]["perplexity"]["wiki_summaries"]["ppl"],
                 "pruned": e["pruned"]["perplexity"]["wiki_summaries"]["ppl"],
                 "pruned+lra": e["pruned+lra"]["perplexity"]["wiki_summaries"]["ppl"],
-                "heldout_rel_error_mean": sum(x["heldout_rel_error"] for x in rep.report["sites"]) / len(rep.report["sites"]),
-                "adapters": len(rep.report["adapters"]),
+                "heldout_rel_error_mean": sum(x["heldout_rel_error"] for x in rep.report.sites) / len(rep.report.sites),
+                "adapters": len(rep.report.adapters),
                 "tokens": e["pruned"]["perplexity"]["wiki_summaries"]["tokens"],
             }
         rows.append({"criterion": name, "layers": layers, **seen[key]})

@@ -17,6 +17,7 @@ import torch  # noqa: E402
 
 from shift_lightning import load_pretrained  # noqa: E402
 from shift_lightning.outputs import write_json_atomic  # noqa: E402
+from shift_lightning.reports import RecoveryReport  # noqa: E402
 
 REQUIRED = ("val/ppl", "val/kl", "zeroshot/avg", "train/loss")
 
@@ -41,7 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--command", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    report = json.loads((Path(a.model_dir) / "recovery_report.json").read_text())
+    report = RecoveryReport.read(Path(a.model_dir) / "recovery_report.json")
     curves = scalars(Path(a.tb))
     missing = [t for t in REQUIRED if t not in curves]
     if missing:
@@ -65,15 +66,15 @@ def main(argv=None) -> int:
         print(f"generate() produced {new} new tokens instead of 32", file=sys.stderr)
         return 1
     doc = {"command": a.command, "machine": C.machine(dev), "model_dir": a.model_dir,
-           "seconds": {"train_job": a.train_seconds, **report["seconds"], "load_pretrained": load_s, "generate_32": gen_s},
-           "steps": report["steps"], "trainable_params": report["trainable_params"],
-           "train_tokens_per_s": report.get("train_tokens_per_s"),
-           "peak_gpu_memory_gib": {"train_job": report["peak_gpu_memory_bytes"] / 2 ** 30
-                                   if report.get("peak_gpu_memory_bytes") is not None else None,
+           "seconds": {"train_job": a.train_seconds, **report.seconds, "load_pretrained": load_s, "generate_32": gen_s},
+           "steps": report.steps, "trainable_params": report.trainable_params,
+           "train_tokens_per_s": report.train_tokens_per_s,
+           "peak_gpu_memory_gib": {"train_job": report.peak_gpu_memory_bytes / 2 ** 30
+                                   if report.peak_gpu_memory_bytes is not None else None,
                                    "reload_and_generate": torch.cuda.max_memory_allocated() / 2 ** 30
                                    if dev.type == "cuda" else None},
-           "generate_tokens_per_s": new / gen_s, "pruned_layers": report["pruned_layers"],
-           "metrics_before": report["metrics_before"], "metrics_after": report["metrics_after"],
+           "generate_tokens_per_s": new / gen_s, "pruned_layers": report.pruned_layers,
+           "metrics_before": report.metrics_before, "metrics_after": report.metrics_after,
            "curves": {t: curves[t] for t in sorted(curves)}}
     write_json_atomic(a.out, doc)
     print(json.dumps({k: doc[k] for k in ("seconds", "train_tokens_per_s", "peak_gpu_memory_gib", "steps")}, indent=1))

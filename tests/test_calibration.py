@@ -164,7 +164,15 @@ def test_pipeline_writes_reloadable_model(tmp_path):
         prune=PruneConfig(ratio=0.5, criterion="reverse_star"), calibration=CalibrationConfig(rank=4),
         trainer={"accelerator": "cpu", "enable_progress_bar": False}, output_dir=str(out))
     saved = json.loads((out / "calibration_report.json").read_text())
-    assert saved["pruned_layers"] == [2, 3, 4] and rep.report["pruned_layers"] == [2, 3, 4]
+    assert saved["pruned_layers"] == [2, 3, 4] and rep.report.pruned_layers == [2, 3, 4]
+    from shift_lightning.errors import ConfigError
+    from shift_lightning.reports import CalibrationReport
+
+    assert CalibrationReport.read(out / "calibration_report.json").to_dict() == saved  # typed, round trip
+    with pytest.raises(ConfigError, match="lacks"):
+        CalibrationReport.from_dict({k: v for k, v in saved.items() if k != "sites"})
+    with pytest.raises(ConfigError, match="pruned_layers must be a list"):
+        CalibrationReport.from_dict({**saved, "pruned_layers": "2,3"})
     assert saved["rank"] == 4 and saved["calibration_tokens"] == 8 * 48
     assert all("heldout_rel_error" in s and "calib_rel_error" in s for s in saved["sites"])
     assert saved["adapters"] == [{"position": 2, "replaces_blocks": [2, 3, 4], "params": 2 * 32 * 12 + 32}]
@@ -292,7 +300,7 @@ def test_pipeline_evaluates_original_pruned_and_corrected(tmp_path):
                           heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[2, 3]),
                           trainer={"accelerator": "cpu", "enable_progress_bar": False}, output_dir=str(tmp_path / "o"),
                           evaluate=ev, evaluate_baselines=True)
-    evals = rep.report["evaluation"]
+    evals = rep.report.evaluation
     assert list(evals) == ["original", "pruned", "pruned+lra"]
     fresh, tok = build_tiny_model("llama")
     assert evals["original"]["perplexity"][HELDOUT]["ppl"] == pytest.approx(

@@ -163,8 +163,8 @@ def test_case6_fewer_steps_than_the_validation_interval_still_validate_the_resul
                                             "--trainer.val_check_interval", "4"))
     assert "--trainer.val_check_interval 4 is more than the 2 training batches" in caplog.text
     r = result.report
-    assert r["steps"] == 2 and math.isfinite(r["metrics_after"]["val/ppl"])
-    assert r["metrics_after"]["val/ppl"] != r["metrics_before"]["val/ppl"]  # validated after training
+    assert r.steps == 2 and math.isfinite(r.metrics_after["val/ppl"])
+    assert r.metrics_after["val/ppl"] != r.metrics_before["val/ppl"]  # validated after training
     summary = capsys.readouterr().out
     assert re.search(r"val/ppl [\d.]+ -> [\d.]+", summary) and "nan" not in summary, summary
 
@@ -223,7 +223,7 @@ def test_case8_checkpoints_belong_to_their_run(tmp_path):
         _job(tmp_path, lr=1e-3, overwrite=True, callbacks=[_CrashBeforeTheFirstStep()])
     assert not (ckpt / "last.ckpt").exists()  # --overwrite cleared A's checkpoints
     b = _job(tmp_path, lr=1e-3, ckpt_path="last")  # nothing of B's yet: starts at step 0, not from A
-    assert b.report["steps"] == 4 and len(b.report["loss_history"]) == 4
+    assert b.report.steps == 4 and len(b.report.loss_history) == 4
     assert sorted(p.name for p in ckpt.iterdir()) == ["last.ckpt"]  # no last-v1.ckpt piling up
     assert read_checkpoint(ckpt / "last.ckpt")["shift_lightning"]["run"]["key"] != a
 

@@ -50,8 +50,8 @@ def test_lora_with_trainable_lra_recovers_and_exports(calibrated, tmp_path):
     rep = run_training(_trainer(tmp_path), model=ModelConfig(name_or_path=str(calibrated)), train_data=data, val=val,
                        recovery=RecoveryConfig(method="lora", train_lra=True, lora_r=4, lr=2e-3),
                        output_dir=str(tmp_path / "out"))
-    assert rep.report["steps"] == 10
-    assert rep.report["metrics_after"]["val/ppl"] < rep.report["metrics_before"]["val/ppl"]
+    assert rep.report.steps == 10
+    assert rep.report.metrics_after["val/ppl"] < rep.report.metrics_before["val/ppl"]
     module = rep.module
     # exported folder: LoRA merged, trained LRA in place, identical logits after reload
     m2, tok = load_pretrained(tmp_path / "out")
@@ -198,14 +198,14 @@ def test_resume_equals_uninterrupted_and_checkpoints_hold_only_what_trains(tmp_p
     module = full.module
     assert set(ck["state_dict"]) and all(("lora_" in k) or ("modules_to_save" in k) for k in ck["state_dict"])
     n_ckpt = sum(t.numel() for t in ck["state_dict"].values())
-    assert n_ckpt == full.report["trainable_params"] < sum(p.numel() for p in module.parameters()) / 4
+    assert n_ckpt == full.report.trainable_params < sum(p.numel() for p in module.parameters()) / 4
     resumed = _job(tmp_path, "cut", ckpt_path="last")
-    assert resumed.report["steps"] == full.report["steps"] == 8
+    assert resumed.report.steps == full.report.steps == 8
     # the loss history covers the whole run, from step 0 (the checkpoint carries the part before the stop)
-    assert len(resumed.report["loss_history"]) == len(full.report["loss_history"]) == 8 * 2
-    assert_close(torch.tensor(resumed.report["loss_history"]), torch.tensor(full.report["loss_history"]),
+    assert len(resumed.report.loss_history) == len(full.report.loss_history) == 8 * 2
+    assert_close(torch.tensor(resumed.report.loss_history), torch.tensor(full.report.loss_history),
                  rtol=1e-6, atol=1e-7)
-    assert resumed.report["metrics_before"] == full.report["metrics_before"] and "val/ppl" in full.report["metrics_before"]
+    assert resumed.report.metrics_before == full.report.metrics_before and "val/ppl" in full.report.metrics_before
     _assert_same_exports(tmp_path / "full", tmp_path / "cut", rtol=1e-6, atol=1e-7)
 
 
@@ -219,9 +219,9 @@ def test_lras_change_only_when_trained_and_zero_steps_export_no_recovery(tmp_pat
     st = adapter_set(load_pretrained(tmp_path / "trained")[0]).state_dict()
     assert all(torch.equal(s0[k], sf[k]) for k in s0)
     assert any(not torch.allclose(s0[k], st[k]) for k in s0)
-    assert frozen.report["recovered"] and trained.report["recovered"]
+    assert frozen.report.recovered and trained.report.recovered
     none = _job(tmp_path, "none", steps=0)
-    assert none.report["steps"] == 0 and not none.report["recovered"]
+    assert none.report.steps == 0 and not none.report.recovered
     assert json.loads((tmp_path / "none" / "shift_config.json").read_text())["recovered"] is False
 
 
@@ -280,6 +280,6 @@ def test_gradient_checkpointing_gives_the_same_training(tmp_path, method):
     ckpt = _job(tmp_path, "ckpt", steps=4, method=method, gradient_checkpointing=True, callbacks=[calls["ckpt"]])
     # every training forward (4 steps x 2 accumulated batches) ran the block again in the backward pass
     assert calls["ckpt"].n - calls["plain"].n == 4 * 2 and calls["plain"].n > 0
-    assert_close(torch.tensor(ckpt.report["loss_history"]), torch.tensor(plain.report["loss_history"]),
+    assert_close(torch.tensor(ckpt.report.loss_history), torch.tensor(plain.report.loss_history),
                  rtol=1e-5, atol=1e-6)
     _assert_same_exports(tmp_path / "plain", tmp_path / "ckpt", rtol=1e-5, atol=1e-6)

@@ -4,7 +4,7 @@
 
     from shift_lightning.recipes.calibrate import run_calibration
     result = run_calibration(model=ModelConfig(...), prune=PruneConfig(ratio=0.25), output_dir="out")
-    result.report["pruned_layers"], result.model
+    result.report.pruned_layers, result.model
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from ..errors import ConfigError
 from ..models import ModelConfig, num_params
 from ..outputs import prepare_output, publish_dir
 from ..progress import with_stage_progress
+from ..reports import CalibrationReport
 from ..stopping import with_signal_guard
 from ..selection import select_blocks
 from ..calibration import pruned_positions
 from ..card import CardFacts, evaluation_table
-from ..checkpoint import load_pretrained, save_adapters, save_pretrained
+from ..checkpoint import ShiftSpec, load_pretrained, save_adapters, save_pretrained
 from ..surgery import apply_correction, remove_blocks
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def default_heldout() -> TextDataConfig:
 class CalibrationResult:
     """What :func:`run_calibration` returns."""
 
-    report: dict
+    report: CalibrationReport
     """The calibration report (also written as ``calibration_report.json``)."""
     model: nn.Module
     """The pruned + corrected in-memory model."""
@@ -195,36 +196,23 @@ def run_calibration(
         label = f"pruned+{calibration.solver}"
         evals[label] = scorer(label)
 
-    report = {
-        "model": model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny},
-        "model_type": model_type,
-        "original_num_layers": n_layers,
-        "pruned_layers": selection.layers,
-        "selection": selection.to_dict(),
-        "calibration": asdict(calibration),
-        "lambda_relative": calibration.damping,
-        "rank": calibration.rank,
-        "data": asdict(data),
-        "heldout_data": asdict(heldout) if heldout_windows is not None else None,
-        "calibration_tokens": windows.num_tokens,
-        "heldout_tokens": heldout_windows.num_tokens if heldout_windows is not None else 0,
-        "world_size": dist.world_size(),
-        "sites": module.site_reports(),
-        "spans": module.span_reports(),
-        "adapters": _adapter_table(n_layers, selection.layers, adapters),
-        "branch_maps": sorted(correction.branch_maps),
-        "notes": correction.notes,
-        "params_before": params_before,
-        "params_after": num_params(lm),
-        "seconds": {"selection": t_sel - t0, "calibration": t_cal - t_sel, "total": time.time() - t0},
-    }
-    if evals:
-        report["evaluation"] = evals
+    report = CalibrationReport(
+        model=model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny}, model_type=model_type,
+        original_num_layers=n_layers, pruned_layers=selection.layers, selection=selection.to_dict(),
+        calibration=asdict(calibration), data=asdict(data),
+        heldout_data=asdict(heldout) if heldout_windows is not None else None,
+        calibration_tokens=windows.num_tokens,
+        heldout_tokens=heldout_windows.num_tokens if heldout_windows is not None else 0,
+        world_size=dist.world_size(), sites=module.site_reports(), spans=module.span_reports(),
+        adapters=_adapter_table(n_layers, selection.layers, adapters), branch_maps=sorted(correction.branch_maps),
+        notes=correction.notes, params_before=params_before, params_after=num_params(lm),
+        seconds={"selection": t_sel - t0, "calibration": t_cal - t_sel, "total": time.time() - t0},
+        evaluation=evals or None)
     if output_dir is not None and dist.rank() == 0:
-        spec = {"original_num_layers": n_layers, "pruned_layers": selection.layers,
-                "base_model": report["model"], "criterion": selection.criterion, "correction": calibration.solver}
+        spec = ShiftSpec(n_layers, selection.layers, base_model=report.model, criterion=selection.criterion,
+                         correction=calibration.solver)
 
-        card = CardFacts(command=command, calibration=report)
+        card = CardFacts(command=command, calibration=report.to_dict())
 
         def write(tmp: Path):
             if save_model == "adapters":
@@ -235,8 +223,8 @@ def run_calibration(
                 save_pretrained(lm, tokenizer, tmp, spec, card=card)
             for name, doc in (extra_files or {}).items():
                 (tmp / name).write_text(json.dumps(doc, indent=2))
-            (tmp / "calibration_report.json").write_text(json.dumps(report, indent=2))
-            (tmp / "calibration_report.md").write_text(report_markdown(report))
+            (tmp / "calibration_report.json").write_text(json.dumps(report.to_dict(), indent=2))
+            (tmp / "calibration_report.md").write_text(report.markdown())
             if resolved_config:
                 (tmp / "config.yaml").write_text(resolved_config)
 
@@ -270,20 +258,3 @@ def _adapter_table(n_layers: int, removed: list[int], adapters: dict) -> list[di
             for p, a in sorted(adapters.items())]
 
 
-def report_markdown(r: dict) -> str:
-    """A readable summary of a calibration report."""
-    lines = [f"# Calibration report: {r['model']}", "",
-             f"- pruned blocks ({len(r['pruned_layers'])}/{r['original_num_layers']}): {r['pruned_layers']} "
-             f"(criterion `{r['selection']['criterion']}`)",
-             f"- solver `{r['calibration']['solver']}`, mode `{r['calibration']['mode']}`, granularity "
-             f"`{r['calibration']['granularity']}`, rank {r['rank'] or 'full'}, relative damping {r['lambda_relative']:g}",
-             f"- calibration tokens {r['calibration_tokens']:,}, held-out tokens {r['heldout_tokens']:,}, "
-             f"world size {r['world_size']}",
-             f"- parameters {r['params_before']:,} → {r['params_after']:,}; {r['seconds']['total']:.1f} s", "",
-             "| site | blocks | calib rel. error | held-out rel. error | λ |", "|---|---|---|---|---|"]
-    for s in r["sites"]:
-        lines.append(f"| {s['index']} | {s['blocks']} | {s.get('calib_rel_error', float('nan')):.4f} | "
-                     f"{s.get('heldout_rel_error', float('nan')):.4f} | {s.get('lam', float('nan')):.3g} |")
-    if r.get("evaluation"):
-        lines += ["", "## Evaluation", "", *evaluation_table(r["evaluation"])]
-    return "\n".join(lines) + "\n"

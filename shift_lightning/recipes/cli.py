@@ -333,7 +333,7 @@ def _summary(lines: list[str]) -> None:
 # --------------------------------------------------------------------------------------------
 def calibrate_main(argv: list[str] | None = None):
     def run(args):
-        from .calibrate import report_markdown, run_calibration
+        from .calibrate import run_calibration
 
         setup_logging()
         parser = calibrate_parser()
@@ -346,7 +346,7 @@ def calibrate_main(argv: list[str] | None = None):
             evaluate=init.evaluate, evaluate_baselines=cfg.evaluate_baselines, resolved_config=resolved,
             command=shlex.join(["python", "calibrate.py", *args]),
         )
-        _summary([report_markdown(result.report),
+        _summary([result.report.markdown(),
                   f"Results in {cfg.output_dir}/ (calibration_report.md, config.yaml"
                   + (", the corrected model: shift_lightning.load_pretrained)" if cfg.save_model else ")")])
         return result
@@ -397,11 +397,13 @@ def train_main(argv: list[str] | None = None):
                               command=shlex.join(["python", "train.py", *args]))
         if trainer.is_global_zero:
             r = result.report
-            _summary([f"{r['steps']} steps, {r['trainable_params']:,} trainable parameters, "
-                      f"val/ppl {r['metrics_before'].get('val/ppl', float('nan')):.4g} -> "
-                      f"{r['metrics_after'].get('val/ppl', float('nan')):.4g}"
-                      + (f", zeroshot/avg {r['metrics_before'].get('zeroshot/avg', float('nan')):.4f} -> "
-                         f"{r['metrics_after'].get('zeroshot/avg', float('nan')):.4f}" if zeroshot else ""),
+            _summary([f"{r.steps} steps, {r.trainable_params:,} trainable parameters, "
+                      f"val/ppl {r.metrics_before.get('val/ppl', float('nan')):.4g} -> "
+                      f"{r.metrics_after.get('val/ppl', float('nan')):.4g}"
+                      + (f", val/kl {r.metrics_before['val/kl']:.4f} -> {r.metrics_after.get('val/kl', float('nan')):.4f}"
+                         if "val/kl" in r.metrics_before else "")
+                      + (f", zeroshot/avg {r.metrics_before.get('zeroshot/avg', float('nan')):.4f} -> "
+                         f"{r.metrics_after.get('zeroshot/avg', float('nan')):.4f}" if zeroshot else ""),
                       f"Recovered model in {cfg.output_dir}/ (recovery_report.json, config.yaml, README.md"
                       + (", lora/ + base/: the PEFT adapter and its base" if cfg.save_peft and init.recovery.method == "lora"
                          else "") + "); calibration in "

@@ -159,9 +159,9 @@ def run(cfg: RecoveryTableConfig) -> Path:
             merged = result.module.merged_model().eval()
             res = ctx.evaluate(merged)
             doc = {"model": cfg.model, "criterion": crit, "run": name, "label": LABELS[name], "pruned_layers": layers,
-                   "recovery": asdict(rec), "steps": result.report["steps"],
-                   "trainable_params": result.report["trainable_params"],
-                   "loss_history": result.report["loss_history"], **harness.row_doc(res),
+                   "recovery": asdict(rec), "steps": result.report.steps,
+                   "trainable_params": result.report.trainable_params,
+                   "loss_history": result.report.loss_history, **harness.row_doc(res),
                    "seconds": {"train": t1 - t0, "evaluation": time.time() - t1},
                    "config": ctx.meta["config"], "command": ctx.meta["command"], "software": ctx.meta["software"]}
             runs.write(run_name, doc)

@@ -36,8 +36,9 @@ from ..errors import ConfigError
 from ..evaluation.runner import EvalConfig
 from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
+from ..reports import RecoveryReport
 from ..recovery import RecoveryConfig, RecoveryData, RecoveryModule
-from ..checkpoint import is_shift_folder, load_pretrained, read_shift_config
+from ..checkpoint import ShiftSpec, is_shift_folder, load_pretrained, read_shift_config
 from ..resume import (AtomicCheckpointIO, check_checkpoint_dir, check_run, clear_checkpoints, read_checkpoint,
                       resolve_resume, run_key, run_settings)
 from .calibrate import check_early, local_inputs
@@ -54,7 +55,7 @@ RECOVERY_TRAINER_DEFAULTS: dict = dict(
 
 @dataclass
 class RecoveryResult:
-    report: dict
+    report: RecoveryReport
     """Trainable parameters, steps, metrics before / after, loss history, seconds (``recovery_report.json``)."""
     module: RecoveryModule
     output_dir: Path | None = None
@@ -122,10 +123,9 @@ def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, o
                              calibration=calib["calibration"], trainer=trainer, output_dir=str(calib_dir) if calib_dir else None,
                              overwrite=True, save_model="adapters", resolved_config=resolved_config,
                              extra_files={"calibration_key.json": key}, built=built)
-    spec = {"original_num_layers": result.report["original_num_layers"],
-            "pruned_layers": result.report["pruned_layers"], "criterion": result.report["selection"]["criterion"],
-            "base_model": result.report["model"],
-            "correction": calib["calibration"].solver}
+    r = result.report
+    spec = ShiftSpec(r.original_num_layers, r.pruned_layers, base_model=r.model, criterion=r.criterion,
+                     correction=calib["calibration"].solver).to_dict()
     return result.model, result.tokenizer, spec
 
 
@@ -240,26 +240,24 @@ def run_training(
     steps = trainer.global_step
     tokens = (steps - step0) * trainer.world_size * train_data.batch_size * trainer.accumulate_grad_batches \
         * train_data.seq_len
-    report = {
-        "model": model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny},
-        "pruned_layers": spec["pruned_layers"], "recovery": asdict(recovery), "trainable_params": n_train,
-        "train_windows": len(train_w), "train_tokens_per_window": train_data.seq_len, "steps": steps,
-        "recovered": steps > 0, "metrics_before": before, "metrics_after": after,
-        "loss_history": module.loss_history, "world_size": trainer.world_size,
-        "seconds": {"calibration": t_cal - t0, "fit": t_fit, "total": time.time() - t0},
-        "train_tokens_per_s": tokens / t_fit if t_fit > 0 and tokens else None,
-        "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
-    }
+    report = RecoveryReport(
+        model=model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny},
+        pruned_layers=spec["pruned_layers"], recovery=asdict(recovery), trainable_params=n_train,
+        train_windows=len(train_w), train_tokens_per_window=train_data.seq_len, steps=steps, recovered=steps > 0,
+        metrics_before=before, metrics_after=after, loss_history=module.loss_history, world_size=trainer.world_size,
+        seconds={"calibration": t_cal - t0, "fit": t_fit, "total": time.time() - t0},
+        train_tokens_per_s=tokens / t_fit if t_fit > 0 and tokens else None,
+        peak_gpu_memory_bytes=torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None)
     if steps == 0:
         log.warning("No training step was taken (max_steps %s): the exported model is the calibrated one, "
                     "marked \"recovered\": false", trainer.max_steps)
     if output_dir is not None and trainer.is_global_zero:
-        card = CardFacts(command=command, calibration=_calibration_report(model_cfg, output_dir, built), recovery=report)
+        card = CardFacts(command=command, calibration=_calibration_report(model_cfg, output_dir, built), recovery=report.to_dict())
 
         def write(tmp: Path):
             module.export(tmp, tokenizer, {**spec, "recovered": steps > 0, "recovery_steps": steps}, card=card,
                           peft=save_peft, base_ref=str(Path(output_dir).resolve() / "base"))
-            (tmp / "recovery_report.json").write_text(json.dumps(report, indent=2))
+            (tmp / "recovery_report.json").write_text(json.dumps(report.to_dict(), indent=2))
             if resolved_config:
                 (tmp / "config.yaml").write_text(resolved_config)
 

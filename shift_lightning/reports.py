@@ -1,0 +1,149 @@
+"""The run reports as typed artefacts: ``calibration_report.json`` and ``recovery_report.json``.
+
+Each is a dataclass whose fields are the JSON keys (spelt once, here), with :meth:`to_dict` for the
+file and :meth:`from_dict` validating a file read back (a missing or mistyped field is a
+:class:`~shift_lightning.errors.ConfigError` naming the file). The record of a saved model folder,
+``shift_config.json``, is :class:`~shift_lightning.checkpoint.ShiftSpec`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+
+def _check(cls, doc: dict, source) -> dict:
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{source} must hold a JSON object")
+    names = {f.name for f in fields(cls)}
+    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+    missing = sorted(required - set(doc))
+    if missing:
+        raise ConfigError(f"{source} lacks {missing}: not a {cls.__name__} (written by another version?)")
+    for f in ("pruned_layers",):
+        if f in names and (not isinstance(doc.get(f), list) or not all(isinstance(i, int) for i in doc[f])):
+            raise ConfigError(f"{source}: {f} must be a list of block indices, got {doc.get(f)!r}")
+    return {k: v for k, v in doc.items() if k in names}
+
+
+@dataclass
+class CalibrationReport:
+    """What ``calibrate.py`` (and the calibration stage of ``train.py``) did and measured."""
+
+    model: Any
+    """The model's name, or ``{"tiny": {...}}``."""
+    model_type: str
+    original_num_layers: int
+    pruned_layers: list[int]
+    """Original indices of the removed blocks."""
+    selection: dict
+    """The criterion's choice with every block's score (:meth:`~shift_lightning.criteria.Selection.to_dict`)."""
+    calibration: dict
+    """The :class:`~shift_lightning.calibration.CalibrationConfig` used."""
+    data: dict
+    heldout_data: dict | None
+    calibration_tokens: int
+    heldout_tokens: int
+    world_size: int
+    sites: list[dict]
+    """Per site: blocks, per-solver calibration / held-out relative errors, λ."""
+    spans: list[dict]
+    """Per span: what each solver put there, held-out span errors, the guard's judgement."""
+    adapters: list[dict]
+    """Per pruned position: the blocks its adapter replaces and its parameters."""
+    branch_maps: list[int]
+    notes: list[str]
+    params_before: int
+    params_after: int
+    seconds: dict
+    evaluation: dict | None = None
+    """original / pruned / corrected: tasks, perplexity, closeness (when asked for)."""
+
+    @property
+    def criterion(self) -> str:
+        return self.selection.get("criterion", "explicit")
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["lambda_relative"], out["rank"] = self.calibration.get("damping"), self.calibration.get("rank")
+        if out["evaluation"] is None:
+            del out["evaluation"]
+        return out
+
+    @classmethod
+    def from_dict(cls, doc: dict, source: str | Path = "calibration_report.json") -> "CalibrationReport":
+        return cls(**_check(cls, doc, source))
+
+    @classmethod
+    def read(cls, path: str | Path) -> "CalibrationReport":
+        return cls.from_dict(json.loads(Path(path).read_text()), path)
+
+    def markdown(self) -> str:
+        """A readable summary."""
+        from .card import evaluation_table
+
+        c = self.calibration
+        lines = [f"# Calibration report: {self.model}", "",
+                 f"- pruned blocks ({len(self.pruned_layers)}/{self.original_num_layers}): {self.pruned_layers} "
+                 f"(criterion `{self.criterion}`)",
+                 f"- solver `{c['solver']}`, mode `{c['mode']}`, granularity `{c['granularity']}`, rank "
+                 f"{c['rank'] or 'full'}, relative damping {c['damping']:g}",
+                 f"- calibration tokens {self.calibration_tokens:,}, held-out tokens {self.heldout_tokens:,}, "
+                 f"world size {self.world_size}",
+                 f"- parameters {self.params_before:,} → {self.params_after:,}; {self.seconds['total']:.1f} s", "",
+                 "| site | blocks | calib rel. error | held-out rel. error | λ |", "|---|---|---|---|---|"]
+        for s in self.sites:
+            lines.append(f"| {s['index']} | {s['blocks']} | {s.get('calib_rel_error', float('nan')):.4f} | "
+                         f"{s.get('heldout_rel_error', float('nan')):.4f} | {s.get('lam', float('nan')):.3g} |")
+        guards = [s for s in self.spans if "guard" in s]
+        if guards:
+            lines += ["", "| span | guard's choice | KL of each candidate (held-out calibration windows) |", "|---|---|---|"]
+            for s in guards:
+                g = s["guard"]
+                lines.append(f"| {s['blocks']} | {g['chosen']} | "
+                             + ", ".join(f"{k} {v:.4f}" for k, v in g["kl"].items()) + " |")
+        if self.evaluation:
+            lines += ["", "## Evaluation", "", *evaluation_table(self.evaluation)]
+        return "\n".join(lines) + "\n"
+
+
+@dataclass
+class RecoveryReport:
+    """What ``train.py``'s recovery did and measured."""
+
+    model: Any
+    pruned_layers: list[int]
+    recovery: dict
+    """The :class:`~shift_lightning.recovery.RecoveryConfig` used."""
+    trainable_params: int
+    train_windows: int
+    train_tokens_per_window: int
+    steps: int
+    recovered: bool
+    metrics_before: dict
+    """val/ppl, val/kl, val/top1, zeroshot/* at step 0."""
+    metrics_after: dict
+    loss_history: list[float]
+    world_size: int
+    seconds: dict
+    train_tokens_per_s: float | None = None
+    peak_gpu_memory_bytes: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        extra = out.pop("extra")
+        return {**extra, **out}
+
+    @classmethod
+    def from_dict(cls, doc: dict, source: str | Path = "recovery_report.json") -> "RecoveryReport":
+        known = _check(cls, doc, source)
+        return cls(**known, extra={k: v for k, v in doc.items() if k not in known})
+
+    @classmethod
+    def read(cls, path: str | Path) -> "RecoveryReport":
+        return cls.from_dict(json.loads(Path(path).read_text()), path)
