@@ -221,4 +221,7 @@ def test_domain_comparison_of_two_grids(tmp_path):
     assert {(r["criterion"], r["repair"]) for r in doc["rows"]} == {("reverse_star", "lra"), ("reverse_star", "guarded")}
     lra = next(r for r in doc["rows"] if r["repair"] == "lra")
     assert lra["kl"]["a"] != lra["kl"]["b"] and "avg_diff_ci" in lra["b_minus_a"]
-    assert "| reverse_star | +LRA |" in out.with_suffix(".md").read_text()
+    pruned = json.loads((tmp_path / "a" / "tiny" / "reverse_star" / "pruned.json").read_text())["kl"]
+    assert lra["kl_pruned"] == {"a": pruned, "b": pruned}  # the same blocks: one pruned reference for both
+    md = out.with_suffix(".md").read_text()
+    assert "| reverse_star | +LRA |" in md and "closer to the original than pruning on every set in" in md
