@@ -97,9 +97,9 @@ def render(cfg: DomainCompareConfig) -> Path:
                      f"{fmt_ci(r['robust']['a'], r['robust_ci']['a'])} → {fmt_ci(r['robust']['b'], r['robust_ci']['b'])} | "
                      f"{fmt_diff(r['b_minus_a'], 'avg')} | {fmt_diff(r['b_minus_a'], 'robust')} |")
     if rows and sets:
+        lines.append("")
         for s in sets:
             n = sum(1 for r in rows if r["kl"]["a"] and r["kl"]["b"] and r["kl"]["b"][s] < r["kl"]["a"][s])
-            lines.append("")
             lines.append(f"- KL {set_label(s)}: mixed lower in {n} of {len(rows)} rows.")
         for side, name in (("a", "wiki"), ("b", "mixed")):
             known = [r for r in rows if r["kl"][side] and r["kl_pruned"][side]]
