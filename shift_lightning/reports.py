@@ -24,9 +24,9 @@ def _check(cls, doc: dict, source) -> dict:
     missing = sorted(required - set(doc))
     if missing:
         raise ConfigError(f"{source} lacks {missing}: not a {cls.__name__} (written by another version?)")
-    for f in ("pruned_layers",):
-        if f in names and (not isinstance(doc.get(f), list) or not all(isinstance(i, int) for i in doc[f])):
-            raise ConfigError(f"{source}: {f} must be a list of block indices, got {doc.get(f)!r}")
+    layers = doc["pruned_layers"]
+    if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+        raise ConfigError(f"{source}: pruned_layers must be a list of block indices, got {layers!r}")
     return {k: v for k, v in doc.items() if k in names}
 
 

@@ -32,7 +32,7 @@ from ..reports import CalibrationReport
 from ..stopping import with_signal_guard
 from ..selection import select_blocks
 from ..calibration import pruned_positions
-from ..card import CardFacts, evaluation_table
+from ..card import CardFacts
 from ..checkpoint import ShiftSpec, load_pretrained, save_adapters, save_pretrained
 from ..surgery import apply_correction, remove_blocks
 

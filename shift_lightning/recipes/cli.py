@@ -375,8 +375,6 @@ def evaluate_main(argv: list[str] | None = None):
 
 def train_main(argv: list[str] | None = None):
     def run(args):
-        import json
-
         from ..progress import with_stage_progress
         from ..stopping import with_signal_guard
         from .train import run_training, training_callbacks

@@ -13,7 +13,6 @@ closeness set, Avg and Robust for both calibration texts, and the paired bootstr
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
