@@ -225,3 +225,37 @@ def test_domain_comparison_of_two_grids(tmp_path):
     assert lra["kl_pruned"] == {"a": pruned, "b": pruned}  # the same blocks: one pruned reference for both
     md = out.with_suffix(".md").read_text()
     assert "| reverse_star | +LRA |" in md and "closer to the original than pruning on every set in" in md
+
+
+def test_a_criterion_with_the_same_blocks_reuses_the_run_and_recomputing_it_gives_the_same_numbers(tmp_path):
+    """The reuse rule rests on determinism: a run depends on the criterion only through its blocks. A
+    criterion whose cached blocks equal another's takes its files; recomputed, they are identical."""
+    from shift_lightning.recipes.harness import RunFolder
+    from shift_lightning.recipes.reproduce import run
+
+    cfg = _tiny_grid(tmp_path, criteria=["reverse_star"], variants=["pruned", "lra"], out=str(tmp_path / "a"))
+    folder = run(cfg)
+    sel = json.loads((folder / "reverse_star" / "selection.json").read_text())
+    for out in ("a", "b"):  # block_influence told to remove reverse_star's blocks, in both folders
+        (tmp_path / out / "tiny" / "block_influence").mkdir(parents=True, exist_ok=True)
+        (tmp_path / out / "tiny" / "block_influence" / "selection.json").write_text(json.dumps(sel))
+    run(_tiny_grid(tmp_path, criteria=["block_influence"], variants=["pruned", "lra"], out=str(tmp_path / "a")))
+    reused = RunFolder(folder).read("block_influence/lra")
+    assert reused["reused_from"] == "reverse_star/lra" and reused["criterion"] == "block_influence"
+    # other settings: no reuse (a different damping changes the map)
+    from shift_lightning.recipes.reproduce import _reuse
+
+    (folder / "taylor").mkdir()
+    (folder / "taylor" / "selection.json").write_text(json.dumps(sel))
+    layers = sorted(sel["layers"])
+    assert not _reuse(_tiny_grid(tmp_path, damping=1e-2, out=str(tmp_path / "a")), RunFolder(folder), "taylor",
+                      layers, "lra")
+    assert _reuse(_tiny_grid(tmp_path, out=str(tmp_path / "a")), RunFolder(folder), "taylor", layers, "lra")
+    assert RunFolder(folder).read("taylor/lra")["reused_from"] == "reverse_star/lra"  # the root, not a copy
+    # recomputed from scratch in a folder without reverse_star's runs: the same numbers
+    run(_tiny_grid(tmp_path, criteria=["block_influence"], variants=["pruned", "lra"], out=str(tmp_path / "b")))
+    fresh = RunFolder(tmp_path / "b" / "tiny").read("block_influence/lra")
+    assert "reused_from" not in fresh
+    for key in ("kl", "top1", "perplexity", "average"):
+        assert fresh[key] == reused[key], key
+    assert [d["per_doc"] for d in fresh["tasks"].values()] == [d["per_doc"] for d in reused["tasks"].values()]

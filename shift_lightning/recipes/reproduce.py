@@ -13,7 +13,8 @@ scoring, offline data), on held-out wiki-summaries and LAMBADA-passage perplexit
 closeness to the original (next-token KL and top-1 agreement on those windows and on the tasks'
 prompts; the original's distributions are recorded once per process). Each run writes
 ``<out>/<model>/<criterion>/<variant>.json`` (``original.json`` for the unpruned model) and is skipped
-when that file exists; a run file made before closeness was measured gets it added (the model is
+when that file exists (or copied, ``reused_from``, from a criterion that removed the same blocks
+with the same settings); a run file made before closeness was measured gets it added (the model is
 rebuilt and its perplexity must match the stored one). Every criterion's blocks are cached in
 ``<criterion>/selection.json``. All variants of a criterion come from ONE calibration pass on the
 same windows, and share every block before the first pruning site (run once for all variants,
@@ -118,6 +119,10 @@ class ReproduceConfig:
     """Where the per-run JSON files and the rendered tables go."""
     render_only: bool = False
     """Only render the tables from the runs already on disk."""
+    reuse: bool = True
+    """A criterion that removes the same blocks as another one already run in this folder with the same
+    settings takes that run's file (``reused_from`` names it) instead of recomputing it: a run depends on
+    the criterion only through its blocks, and the grid is deterministic."""
     n_boot: int = 2000
     """Bootstrap resamples for the intervals."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -189,9 +194,41 @@ def run(cfg: ReproduceConfig) -> Path:
         old = [f"{crit}/{v}" for v in cfg.variants if runs.done(f"{crit}/{v}")
                and needs_closeness(cfg, runs.read(f"{crit}/{v}"))]
         if new or old:
-            _run_criterion(cfg, ctx, runs, crit, [n.split("/")[1] for n in new], [n.split("/")[1] for n in old])
+            layers = _selection(cfg, ctx, runs, crit)
+            new = [n for n in new if not (cfg.reuse and _reuse(cfg, runs, crit, layers, n.split("/")[1]))]
+            if new or old:
+                _run_criterion(cfg, ctx, runs, crit, layers, [n.split("/")[1] for n in new],
+                               [n.split("/")[1] for n in old])
             render(folder, cfg)
     return folder
+
+
+#: Config keys that do not change a run's numbers (which criteria / variants a process was asked for).
+_RUN_INDEPENDENT = ("criteria", "variants", "fill", "render_only", "out", "n_boot", "reuse")
+
+
+def _same_settings(cfg: ReproduceConfig, doc: dict) -> bool:
+    mine = {k: v for k, v in asdict(cfg).items() if k not in _RUN_INDEPENDENT}
+    theirs = {k: v for k, v in (doc.get("config") or {}).items() if k not in _RUN_INDEPENDENT}
+    return mine == theirs
+
+
+def _reuse(cfg: ReproduceConfig, runs: harness.RunFolder, crit: str, layers: list[int], variant: str) -> bool:
+    """Copy ``variant`` from another criterion of this folder that removed the same blocks with the same
+    settings (and has closeness when this grid measures it); returns whether a run was reused."""
+    for other in CRITERIA_ORDER:
+        name = f"{other}/{variant}"
+        if other == crit or not runs.done(f"{other}/selection") or not runs.done(name):
+            continue
+        if sorted(runs.read(f"{other}/selection")["layers"]) != layers:
+            continue
+        doc = runs.read(name)
+        if not _same_settings(cfg, doc) or (cfg.kl and "fidelity" not in doc):
+            continue
+        runs.write(f"{crit}/{variant}", {**doc, "criterion": crit, "reused_from": doc.get("reused_from", name)})
+        log.info("%s %s/%s: the same blocks %s as %s, run reused", cfg.model, crit, variant, layers, name)
+        return True
+    return False
 
 
 def _selection(cfg: ReproduceConfig, ctx: harness.GridContext, runs: harness.RunFolder, crit: str) -> list[int]:
@@ -208,9 +245,8 @@ def _selection(cfg: ReproduceConfig, ctx: harness.GridContext, runs: harness.Run
     return sorted(s.layers)
 
 
-def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit: str, new: list[str],
-                   old: list[str]) -> None:
-    layers = _selection(cfg, ctx, runs, crit)
+def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit: str, layers: list[int],
+                   new: list[str], old: list[str]) -> None:
     log.info("%s %s: removing blocks %s; new runs %s, closeness for %s", cfg.model, crit, layers, new, old)
     model = copy.deepcopy(ctx.model)
     solvers = [v for v in new + old if v != "pruned"]
