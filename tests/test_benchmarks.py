@@ -55,3 +55,36 @@ def test_headline_and_gpu_scripts_tiny_cpu_mode(tmp_path):
     sol = json.loads((tmp_path / "solve.json").read_text())
     assert [r["d"] for r in sol["results"]] == [64, 128]
     assert all({"float64", "float32", "float64 rank 8"} <= set(r["seconds"]) for r in sol["results"])
+
+
+def test_replaceme_cosine_check_rows_and_report(tmp_path):
+    """The cosine-vs-least-squares diagnosis: its cached rows are the hidden states ReplaceMe fits
+    (``y − m`` is what the span adds to the residual stream), least squares beats the identity on the
+    rows it was fitted on, and the report lands as JSON and markdown."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+
+    import _common as C
+    import replaceme_cosine_check as R
+
+    model, _ = C.build_model("random:tiny", torch.device("cpu"))
+    win = C.windows(model, None, 3, 32)
+    m, y = R.branch_rows(model, win, 3, 5)
+    with torch.no_grad():
+        hs = model(input_ids=win.input_ids, attention_mask=win.attention_mask, output_hidden_states=True).hidden_states
+    keep = win.attention_mask.bool()
+    assert m.shape == y.shape == (int(keep.sum()), 64)
+    torch.testing.assert_close(y - m, (hs[5] - hs[3])[keep].double(), rtol=1e-5, atol=1e-5)
+    eye = R.scores(torch.eye(64, dtype=torch.float64), m, y)
+    assert abs(eye["rel_error"] - float((y - m).square().sum() / y.square().sum())) < 1e-9
+    from shift_lightning.stats import RidgeStats, ridge_solve
+
+    st = RidgeStats(64)
+    st.add_batch(m, y - m)
+    ls = R.scores(ridge_solve(st, 1e-4, None, "affine", bias=False).W.T, m, y)
+    assert ls["rel_error"] < eye["rel_error"] and ls["cosine"] > eye["cosine"]
+    R.main(["--model", "random:tiny", "--blocks", "3,4", "--calib_samples", "4", "--heldout_samples", "2", "--seq_len",
+            "32", "--epochs", "1", "--out", str(tmp_path / "rc")])
+    doc = json.loads((tmp_path / "rc.json").read_text())
+    assert [r["fit"] for r in doc["rows"]] == ["identity (pruned)", "ls", "cosine, 1 epochs"]
+    assert doc["rows"][2]["steps"] == 1 and "| 3–4 | ls |" in (tmp_path / "rc.md").read_text()
