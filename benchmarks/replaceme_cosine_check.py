@@ -76,6 +76,30 @@ def scores(T: torch.Tensor, m: torch.Tensor, y: torch.Tensor) -> dict:
             "rel_error": float((p - y).square().sum() / y.square().sum())}
 
 
+def render(doc: dict) -> str:
+    """The markdown table of a run (``error ÷ pruned``: the error relative to the identity's, i.e. to
+    what the span adds, ``‖mT − y‖² / ‖Δ‖²``, the grid's per-site held-out error)."""
+    ident = {r["span"]: r["rel_error"] for r in doc["rows"] if r["fit"].startswith("identity")}
+    lines = [f"# ReplaceMe's cosine fit against least squares: {doc['model']}, {doc['criterion']} "
+             f"(blocks {doc['blocks']})", "",
+             f"Held-out rows ({doc['heldout_tokens']} tokens of the heldout split); fits on {doc['calib_tokens']} "
+             "calibration tokens. cos: mean cosine of mT with y; ‖mT‖/‖y‖: median length ratio; error: "
+             "‖mT − y‖²/‖y‖² over all tokens; error ÷ pruned: the same over the identity's (= ‖mT − y‖²/‖Δ‖²); "
+             "rescaled: the error after the best single scale α of T (fitted on the calibration rows)."
+             + (" Top 1 %: the share of ‖y‖² held by the 1 % longest tokens." if "top1pct_energy" in doc["rows"][0]
+                else "") + f" `{doc['command']}`", "",
+             "| span | fit | cos | ‖mT‖/‖y‖ | error | error ÷ pruned | α | error rescaled | loss epoch 1 → last |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in doc["rows"]:
+        extra = (f"{r['alpha']:.3g} | {r['rel_error_rescaled']:.3f} | {r['loss_first_last_epoch'][0]:.3f} → "
+                 f"{r['loss_first_last_epoch'][1]:.3f}") if "alpha" in r else "– | – | –"
+        span = r["span"] + (f" (top 1 %: {100 * r['top1pct_energy']:.0f} % of ‖y‖²)" if "top1pct_energy" in r
+                            and r["fit"].startswith("identity") else "")
+        lines.append(f"| {span} | {r['fit']} | {r['cosine']:.3f} | {r['length_ratio_median']:.3g} | "
+                     f"{r['rel_error']:.4f} | {r['rel_error'] / ident[r['span']]:.2f} | {extra} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -88,8 +112,13 @@ def main(argv=None):
     ap.add_argument("--epochs", default="10,50", help="cosine-fit epochs to compare (10: the repo's default)")
     ap.add_argument("--damping", type=float, default=1e-4)
     ap.add_argument("--out", default=None, help="default results/bench/replaceme_cosine_check_<model>_<criterion>")
+    ap.add_argument("--render_only", action="store_true", help="rewrite the markdown from the JSON")
     a = ap.parse_args(argv)
     out = Path(a.out or f"results/bench/replaceme_cosine_check_{a.model.split('/')[-1]}_{a.criterion}")
+    if a.render_only:
+        doc = json.loads(out.with_suffix(".json").read_text())
+        write_text_atomic(out.with_suffix(".md"), render(doc))
+        return
     if a.blocks:
         blocks = sorted(int(b) for b in a.blocks.split(","))
     else:
@@ -118,8 +147,10 @@ def main(argv=None):
             t1 = time.time()
             T, h = cosine_fit(m.float(), y.float(), epochs=e)
             fits[f"cosine, {e} epochs"], hist[e] = T, (h, time.time() - t1)
+        energy = yh.square().sum(dim=1).sort(descending=True).values
+        top = float(energy[:max(1, len(energy) // 100)].sum() / energy.sum())
         for name, T in fits.items():
-            r = {"span": f"{start}–{end - 1}", "fit": name, **scores(T, mh, yh)}
+            r = {"span": f"{start}–{end - 1}", "fit": name, **scores(T, mh, yh), "top1pct_energy": top}
             if name.startswith("cosine"):
                 p = m @ T
                 alpha = float((p * y).sum() / p.square().sum())
@@ -134,19 +165,7 @@ def main(argv=None):
            "command": "python benchmarks/replaceme_cosine_check.py " + " ".join(argv or __import__("sys").argv[1:])}
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out.with_suffix(".json"), doc)
-    lines = [f"# ReplaceMe's cosine fit against least squares: {a.model}, {a.criterion} (blocks {blocks})", "",
-             f"Held-out rows ({doc['heldout_tokens']} tokens of the heldout split); fits on {doc['calib_tokens']} "
-             "calibration tokens. cos: mean cosine of mT with y; |mT|/|y|: median length ratio; error: "
-             "‖mT − y‖²/‖y‖²; rescaled: the error after the best single scale α of T (fitted on the calibration "
-             f"rows). `{doc['command']}`", "",
-             "| span | fit | cos | ‖mT‖/‖y‖ | error | α | error rescaled | loss epoch 1 → last |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        extra = (f"{r['alpha']:.3g} | {r['rel_error_rescaled']:.3f} | {r['loss_first_last_epoch'][0]:.3f} → "
-                 f"{r['loss_first_last_epoch'][1]:.3f}") if "alpha" in r else "– | – | –"
-        lines.append(f"| {r['span']} | {r['fit']} | {r['cosine']:.3f} | {r['length_ratio_median']:.3g} | "
-                     f"{r['rel_error']:.3f} | {extra} |")
-    write_text_atomic(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    write_text_atomic(out.with_suffix(".md"), render(doc))
     print(f"wrote {out.with_suffix('.md')} ({time.time() - t0:.0f} s)")
 
 
