@@ -223,8 +223,17 @@ def test_domain_comparison_of_two_grids(tmp_path):
     assert lra["kl"]["a"] != lra["kl"]["b"] and "avg_diff_ci" in lra["b_minus_a"]
     pruned = json.loads((tmp_path / "a" / "tiny" / "reverse_star" / "pruned.json").read_text())["kl"]
     assert lra["kl_pruned"] == {"a": pruned, "b": pruned}  # the same blocks: one pruned reference for both
+    # the harm test: each side against pruning alone, paired on the same docs
+    from shift_lightning.evaluation.summary import Bootstrap
+
+    runs = {n: json.loads((tmp_path / g / "tiny" / "reverse_star" / f"{v}.json").read_text())
+            for n, g, v in (("p", "a", "pruned"), ("b", "b", "lra"))}
+    runs["original"] = json.loads((tmp_path / "a" / "tiny" / "original.json").read_text())
+    direct = Bootstrap(runs, "original", n_boot=50).difference("b", "p")
+    assert lra["minus_pruned"]["b"]["avg_diff"] == direct["avg_diff"]
     md = out.with_suffix(".md").read_text()
     assert "| reverse_star | +LRA |" in md and "closer to the original than pruning on every set in" in md
+    assert "significantly below pruning on Avg or Robust in" in md
 
 
 def test_a_criterion_with_the_same_blocks_reuses_the_run_and_recomputing_it_gives_the_same_numbers(tmp_path):

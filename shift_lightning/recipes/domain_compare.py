@@ -7,8 +7,8 @@ windows.
     python -m shift_lightning.recipes.domain_compare --model smollm2-135m          # the comparison
 
 Writes ``<b>/<model>_vs_<a>.{md,json}``: per criterion and repair, KL to the original on every
-closeness set, Avg and Robust for both calibration texts, and the paired bootstrap difference
-(mixed − wiki; the rows are scored on the same docs).
+closeness set, Avg and Robust for both calibration texts, and the paired bootstrap differences
+(mixed − wiki, and each − pruning alone on the same blocks; the rows are scored on the same docs).
 """
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ def compare(cfg: DomainCompareConfig) -> dict:
             log.warning("%s/%s: different blocks in the two grids (%s vs %s); compared anyway", crit, v,
                         runs_a[(crit, v)]["pruned_layers"], r["pruned_layers"])
         named[f"a:{crit}/{v}"], named[f"b:{crit}/{v}"] = runs_a[(crit, v)], r
+        for side, row in (("a", runs_a[(crit, v)]), ("b", r)):  # pruning alone on the same blocks, for the harm test
+            p = next((g[(crit, "pruned")] for g in (runs_a, runs_b) if (crit, "pruned") in g
+                      and g[(crit, "pruned")]["pruned_layers"] == row["pruned_layers"]), None)
+            if p is not None:
+                named[f"p{side}:{crit}/{v}"] = p
         pairs.append((crit, v))
     rows = []
     if not pairs:
@@ -69,7 +74,9 @@ def compare(cfg: DomainCompareConfig) -> dict:
                      "avg": {"a": sa["avg"], "b": sb["avg"]},
                      "robust": {"a": sa["robust"], "b": sb["robust"]},
                      "robust_ci": {"a": sa["robust_ci"], "b": sb["robust_ci"]},
-                     "b_minus_a": boot.difference(f"b:{crit}/{v}", f"a:{crit}/{v}")})
+                     "b_minus_a": boot.difference(f"b:{crit}/{v}", f"a:{crit}/{v}"),
+                     "minus_pruned": {side: boot.difference(f"{side}:{crit}/{v}", f"p{side}:{crit}/{v}")
+                                      if f"p{side}:{crit}/{v}" in named else None for side in ("a", "b")}})
     return {"rows": rows, "bootstrap": boot.meta()}
 
 
@@ -86,15 +93,18 @@ def render(cfg: DomainCompareConfig) -> Path:
              "in nats per position; Avg and Robust in points with 95% intervals; **mixed − wiki**: paired bootstrap "
              "differences (↑ / ↓: the interval lies above / below 0).", "",
              "| criterion | repair | " + " | ".join(f"KL {set_label(s)} pruned / wiki → mixed" for s in sets)
-             + " | Avg wiki → mixed | Robust wiki → mixed | Δ Avg | Δ Robust |",
-             "|---|---|" + "---:|" * (len(sets) + 4)]
+             + " | Avg wiki → mixed | Robust wiki → mixed | Δ Avg | Δ Robust | − pruned: Avg wiki / mixed "
+             "| − pruned: Robust wiki / mixed |",
+             "|---|---|" + "---:|" * (len(sets) + 6)]
     for r in rows:
         kl = [f"{fmt_kl((r['kl_pruned']['a'] or {}).get(s))} / {fmt_kl((r['kl']['a'] or {}).get(s))} → "
               f"{fmt_kl((r['kl']['b'] or {}).get(s))}" for s in sets]
         lines.append(f"| {r['criterion']} | {LABELS.get(r['repair'], r['repair'])} | " + " | ".join(kl)
                      + f" | {100 * r['avg']['a']:.1f} → {100 * r['avg']['b']:.1f} | "
                      f"{fmt_ci(r['robust']['a'], r['robust_ci']['a'])} → {fmt_ci(r['robust']['b'], r['robust_ci']['b'])} | "
-                     f"{fmt_diff(r['b_minus_a'], 'avg')} | {fmt_diff(r['b_minus_a'], 'robust')} |")
+                     f"{fmt_diff(r['b_minus_a'], 'avg')} | {fmt_diff(r['b_minus_a'], 'robust')} | "
+                     + " | ".join(" / ".join(fmt_diff(r["minus_pruned"][side], key) if r["minus_pruned"][side] else "–"
+                                             for side in ("a", "b")) for key in ("avg", "robust")) + " |")
     if rows and sets:
         lines.append("")
         for s in sets:
@@ -104,6 +114,12 @@ def render(cfg: DomainCompareConfig) -> Path:
             known = [r for r in rows if r["kl"][side] and r["kl_pruned"][side]]
             n = sum(all(r["kl"][side][s] < r["kl_pruned"][side][s] for s in sets) for r in known)
             lines.append(f"- Calibrated on {name}: closer to the original than pruning on every set in {n} of {len(known)} rows.")
+        for side, name in (("a", "wiki"), ("b", "mixed")):
+            known = [r for r in rows if r["minus_pruned"][side]]
+            hurt = [r["criterion"] + ("" if r["repair"] == "lra" else f" ({r['repair']})") for r in known
+                    if r["minus_pruned"][side]["avg_diff_ci"][1] < 0 or r["minus_pruned"][side]["robust_diff_ci"][1] < 0]
+            lines.append(f"- Calibrated on {name}: significantly below pruning on Avg or Robust in {len(hurt)} of "
+                         f"{len(known)} rows" + (f" ({', '.join(hurt)})." if hurt else "."))
         lines.append(f"- Avg: mixed higher in {sum(r['b_minus_a']['avg_diff'] > 0 for r in rows)} of {len(rows)}; "
                      f"Robust: mixed higher in {sum(r['b_minus_a']['robust_diff'] > 0 for r in rows)} of {len(rows)}.")
     write_text_atomic(out.with_suffix(".md"), "\n".join(lines) + "\n")
