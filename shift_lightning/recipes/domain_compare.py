@@ -34,7 +34,8 @@ class DomainCompareConfig:
     """The reference grid (wiki-summaries calibration)."""
     b: str = "results/paper_mixed"
     """The other grid (``--calib_source mixed``)."""
-    repairs: list[str] = field(default_factory=lambda: ["lra", "guarded"])
+    repairs: list[str] = field(default_factory=lambda: ["lra", "guarded", "replaceme"])
+    """Repairs compared where both grids have the row (ReplaceMe refitted on the other text too)."""
     n_boot: int = 2000
 
 
