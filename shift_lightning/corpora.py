@@ -101,7 +101,18 @@ def mixed(split: str, wiki_docs: list[str], calibration_wiki_docs: list[str] | N
     build that split; needed for every split but ``calibration``). The calibration split keeps its
     repeats (12 documents of 7,324, each twice), so that the calibration windows of every run made
     with it stay the same (dropping them changes the first 64 × 512-token windows)."""
-    stories, qa = _split(coqa_stories(), split), _split(qa_pairs(), split)
+    stories_all, qa_all = coqa_stories(), qa_pairs()
+    docs = _mixed_split(split, wiki_docs, stories_all, qa_all)
+    if split != "calibration":
+        if calibration_wiki_docs is None:
+            raise ValueError("mixed(): the calibration wiki documents are needed to keep other splits disjoint")
+        seen = set(_mixed_split("calibration", calibration_wiki_docs, stories_all, qa_all))
+        docs = [d for d in dict.fromkeys(docs) if d not in seen]
+    return docs
+
+
+def _mixed_split(split: str, wiki_docs: list[str], stories_all: list[str], qa_all: list[str]) -> list[str]:
+    stories, qa = _split(stories_all, split), _split(qa_all, split)
     budget = sum(map(len, stories)) + sum(map(len, qa))
     wiki, n = [], 0
     for doc in wiki_docs:
@@ -111,10 +122,4 @@ def mixed(split: str, wiki_docs: list[str], calibration_wiki_docs: list[str] | N
         n += len(doc)
     docs = wiki + stories + qa
     random.Random(SPLIT_SEED + 1).shuffle(docs)
-    if split != "calibration":
-        docs = list(dict.fromkeys(docs))
-        if calibration_wiki_docs is None:
-            raise ValueError("mixed(): the calibration wiki documents are needed to keep other splits disjoint")
-        seen = set(mixed("calibration", calibration_wiki_docs))
-        docs = [d for d in docs if d not in seen]
     return docs

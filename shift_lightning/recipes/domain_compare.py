@@ -39,6 +39,12 @@ class DomainCompareConfig:
     n_boot: int = 2000
 
 
+def _pruned(runs_a: dict, runs_b: dict, crit: str, layers: list[int]) -> dict | None:
+    """The pruned row of ``crit`` on ``layers`` (linear_fit may choose other blocks on other text)."""
+    return next((g[(crit, "pruned")] for g in (runs_a, runs_b) if (crit, "pruned") in g
+                 and g[(crit, "pruned")]["pruned_layers"] == layers), None)
+
+
 def compare(cfg: DomainCompareConfig) -> dict:
     from ..evaluation.summary import Bootstrap
 
@@ -53,9 +59,8 @@ def compare(cfg: DomainCompareConfig) -> dict:
             log.warning("%s/%s: different blocks in the two grids (%s vs %s); compared anyway", crit, v,
                         runs_a[(crit, v)]["pruned_layers"], r["pruned_layers"])
         named[f"a:{crit}/{v}"], named[f"b:{crit}/{v}"] = runs_a[(crit, v)], r
-        for side, row in (("a", runs_a[(crit, v)]), ("b", r)):  # pruning alone on the same blocks, for the harm test
-            p = next((g[(crit, "pruned")] for g in (runs_a, runs_b) if (crit, "pruned") in g
-                      and g[(crit, "pruned")]["pruned_layers"] == row["pruned_layers"]), None)
+        for side, row in (("a", runs_a[(crit, v)]), ("b", r)):  # pruning alone on the same blocks
+            p = _pruned(runs_a, runs_b, crit, row["pruned_layers"])
             if p is not None:
                 named[f"p{side}:{crit}/{v}"] = p
         pairs.append((crit, v))
@@ -66,10 +71,7 @@ def compare(cfg: DomainCompareConfig) -> dict:
     for crit, v in pairs:
         ra, rb = named[f"a:{crit}/{v}"], named[f"b:{crit}/{v}"]
         sa, sb = boot.summary(f"a:{crit}/{v}"), boot.summary(f"b:{crit}/{v}")
-        # pruning alone, on the blocks each row removed (linear_fit may choose other blocks on other text)
-        pruned = {side: next((g[(crit, "pruned")]["kl"] for g in (runs_a, runs_b) if (crit, "pruned") in g
-                              and g[(crit, "pruned")]["pruned_layers"] == row["pruned_layers"]
-                              and "kl" in g[(crit, "pruned")]), None) for side, row in (("a", ra), ("b", rb))}
+        pruned = {side: (named.get(f"p{side}:{crit}/{v}") or {}).get("kl") for side in ("a", "b")}
         rows.append({"criterion": crit, "repair": v, "pruned_layers": {"a": ra["pruned_layers"], "b": rb["pruned_layers"]},
                      "kl": {"a": ra.get("kl"), "b": rb.get("kl")}, "kl_pruned": pruned,
                      "avg": {"a": sa["avg"], "b": sb["avg"]},
