@@ -213,12 +213,12 @@ def test_domain_comparison_of_two_grids(tmp_path):
     from shift_lightning.recipes.domain_compare import DomainCompareConfig, render
     from shift_lightning.recipes.reproduce import run
 
-    kw = dict(criteria=["reverse_star"], variants=["pruned", "lra", "guarded"], calib_samples=8)
+    kw = dict(criteria=["reverse_star"], variants=["pruned", "lra", "guarded", "replaceme"], calib_samples=8)
     run(_tiny_grid(tmp_path, out=str(tmp_path / "a"), **kw))
     run(_tiny_grid(tmp_path, out=str(tmp_path / "b"), calib_source=str(ROOT / "tests" / "data" / "tiny_heldout.txt"), **kw))
     out = render(DomainCompareConfig(model="tiny", a=str(tmp_path / "a"), b=str(tmp_path / "b"), n_boot=50))
     doc = json.loads(out.with_suffix(".json").read_text())
-    assert {(r["criterion"], r["repair"]) for r in doc["rows"]} == {("reverse_star", "lra"), ("reverse_star", "guarded")}
+    assert {(r["criterion"], r["repair"]) for r in doc["rows"]} == {("reverse_star", v) for v in ("lra", "guarded", "replaceme")}
     lra = next(r for r in doc["rows"] if r["repair"] == "lra")
     assert lra["kl"]["a"] != lra["kl"]["b"] and "avg_diff_ci" in lra["b_minus_a"]
     pruned = json.loads((tmp_path / "a" / "tiny" / "reverse_star" / "pruned.json").read_text())["kl"]
@@ -234,6 +234,24 @@ def test_domain_comparison_of_two_grids(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "| reverse_star | +LRA |" in md and "closer to the original than pruning on every set in" in md
     assert "significantly below pruning on Avg or Robust in" in md
+
+    # the cross-grid fidelity table: the same counts, computed from the same files
+    from shift_lightning.recipes.fidelity_table import FidelityTableConfig, render as render_table
+
+    out = render_table(FidelityTableConfig(models=["tiny"], grids={"wiki": str(tmp_path / "a"), "mixed": str(tmp_path / "b")},
+                                           criteria=["reverse_star", "angular"], out=str(tmp_path / "fid"), n_boot=50))
+    table = json.loads(out.with_suffix(".json").read_text())["models"][0]
+    t = table["targets"]["mixed"]
+    assert t["criteria"] == 1 and t["closer_of"] == 1 and t["replaceme_of"] == 1  # angular: not run, not counted
+    lra_b = runs["b"]
+    rm_b = json.loads((tmp_path / "b" / "tiny" / "reverse_star" / "replaceme.json").read_text())
+    assert (t["closer"] == ["reverse_star"]) == all(lra_b["kl"][s] < pruned[s] for s in pruned)
+    assert (t["kl_below_replaceme"] == ["reverse_star"]) == all(lra_b["kl"][s] < rm_b["kl"][s] for s in pruned)
+    row = table["rows"][0]["targets"]["mixed"]
+    assert row["vs_pruned"]["avg_diff"] == direct["avg_diff"] and row["replaceme"]["variant"] == "replaceme"
+    assert (t["harm"] == []) == (direct["avg_diff_ci"][1] >= 0 and direct["robust_diff_ci"][1] >= 0)
+    md = out.with_suffix(".md").read_text()
+    assert "| reverse_star |" in md and "| angular | … |" in md and "**mixed** (1 of 2 criteria run)" in md
 
 
 def test_a_criterion_with_the_same_blocks_reuses_the_run_and_recomputing_it_gives_the_same_numbers(tmp_path):

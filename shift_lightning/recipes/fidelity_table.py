@@ -1,0 +1,205 @@
+"""Closeness to the original across the paper grids: the README's fidelity table and the targets.
+
+    python -m shift_lightning.recipes.fidelity_table          # -> results/fidelity.{md,json}
+
+Reads the run files of the wiki-calibrated grid (``results/paper``) and of the mixed-calibrated grid
+(``results/paper_mixed``) of every model and writes, per model, one row per criterion: KL(original ‖
+model) on every closeness set for pruning alone and for each repair, then per calibration text the
+three questions a user of a pruning method asks of the repair (``--repair``, the LRA by default):
+
+* **closer**: is it closer to the original than pruning (lower KL on every set)?
+* **no harm**: is it never significantly below pruning on Avg or Robust (paired 95 % bootstrap)?
+* **vs ReplaceMe**: is it closer (every set) and more accurate (Robust) than the better ReplaceMe
+  variant fitted on the same text (the one with the lower mean KL)?
+
+and the best Robust of any criterion. Every row is scored on the same docs, so one paired bootstrap
+covers both grids. Rows that are missing show as ``…`` and are left out of the counts (the counts
+say out of how many).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..outputs import write_json_atomic, write_text_atomic
+from .harness import model_key
+from .tables.common import fmt_ci, fmt_diff, fmt_kl, set_label
+from .tables.paper import REPLACEME, load_runs
+
+log = logging.getLogger(__name__)
+
+#: The table's columns: (grid, variant, header).
+COLUMNS = (("wiki", "pruned", "pruned"), ("wiki", "lra", "+LRA"), ("wiki", "replaceme", "+ReplaceMe (LS)"),
+           ("wiki", "replaceme_cosine", "+ReplaceMe (cosine)"), ("wiki", "guarded", "+guarded"),
+           ("mixed", "lra", "+LRA, mixed calib."), ("mixed", "replaceme", "+ReplaceMe (LS), mixed calib."))
+
+
+@dataclass
+class FidelityTableConfig:
+    """The grids to read and the repair whose targets are counted."""
+
+    models: list[str] = field(default_factory=lambda: ["smollm2-135m", "gemma3-270m"])
+    grids: dict[str, str] = field(default_factory=lambda: {"wiki": "results/paper", "mixed": "results/paper_mixed"})
+    """Calibration text → paper-grid folder (the same docs, windows and settings otherwise)."""
+    criteria: list[str] = field(default_factory=lambda: ["reverse_star", "angular", "taylor", "block_influence",
+                                                         "reverse", "random", "magnitude_l1", "magnitude_l2", "ppl",
+                                                         "linear_fit"])
+    repair: str = "lra"
+    """The repair whose targets are counted (the default solver)."""
+    out: str = "results/fidelity"
+    n_boot: int = 2000
+
+
+def _mean_kl(run: dict) -> float:
+    return sum(run["kl"].values()) / len(run["kl"])
+
+
+def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
+    """Rows and target counts for one model; ``None`` when the wiki grid has no original row."""
+    from ..evaluation.summary import Bootstrap
+
+    key = model_key(model)
+    grids = {g: load_runs(Path(folder) / key) for g, folder in cfg.grids.items()}
+    ref = next(iter(grids))
+    if (None, "original") not in grids[ref]:
+        return None
+    named = {"original": grids[ref][(None, "original")]}
+    for g, runs in grids.items():
+        for (crit, v), r in runs.items():
+            if crit is not None and "fidelity" in r:
+                named[f"{g}:{crit}/{v}"] = r
+    boot = Bootstrap(named, "original", n_boot=cfg.n_boot)
+
+    def pruned_of(run: dict) -> str | None:
+        """Pruning alone on the run's blocks, from whichever grid has it."""
+        for g, runs in grids.items():
+            for (crit, v), r in runs.items():
+                if v == "pruned" and f"{g}:{crit}/{v}" in named and r["pruned_layers"] == run["pruned_layers"]:
+                    return f"{g}:{crit}/{v}"
+        return None
+
+    rows = []
+    for crit in cfg.criteria:
+        row = {"criterion": crit, "cells": {}, "targets": {}}
+        for g, v, _ in COLUMNS:
+            r = named.get(f"{g}:{crit}/{v}")
+            if r is not None:
+                row["cells"][f"{g}:{v}"] = {"kl": r["kl"], "top1": r["top1"], "blocks": r["pruned_layers"],
+                                            **boot.summary(f"{g}:{crit}/{v}")}
+        for g in grids:
+            name = f"{g}:{crit}/{cfg.repair}"
+            if name not in named:
+                continue
+            run, p = named[name], pruned_of(named[name])
+            t = {"kl": run["kl"], **boot.summary(name)}
+            if p is not None:
+                t["kl_pruned"] = named[p]["kl"]
+                t["closer"] = all(run["kl"][s] < named[p]["kl"][s] for s in run["kl"])
+                t["vs_pruned"] = boot.difference(name, p)
+                t["no_harm"] = t["vs_pruned"]["avg_diff_ci"][1] >= 0 and t["vs_pruned"]["robust_diff_ci"][1] >= 0
+            peers = [f"{g}:{crit}/{m}" for m in REPLACEME if f"{g}:{crit}/{m}" in named]
+            if peers:
+                best = min(peers, key=lambda n: _mean_kl(named[n]))
+                t["replaceme"] = {"variant": best.split("/")[-1], "kl": named[best]["kl"], **boot.summary(best),
+                                  "diff": boot.difference(name, best)}
+                t["kl_below_replaceme"] = all(run["kl"][s] < named[best]["kl"][s] for s in run["kl"])
+                t["robust_above_replaceme"] = t["robust"] > t["replaceme"]["robust"]
+            row["targets"][g] = t
+        rows.append(row)
+    targets = {}
+    for g in grids:
+        ts = {r["criterion"]: r["targets"][g] for r in rows if g in r["targets"]}
+        with_p = {c: t for c, t in ts.items() if "closer" in t}
+        with_rm = {c: t for c, t in ts.items() if "replaceme" in t}
+        best = max(ts.items(), key=lambda ct: ct[1]["robust"], default=None)
+        targets[g] = {
+            "criteria": len(ts),
+            "closer": [c for c, t in with_p.items() if t["closer"]], "closer_of": len(with_p),
+            "harm": [c for c, t in with_p.items() if not t["no_harm"]], "harm_of": len(with_p),
+            "best_robust": {"criterion": best[0], "robust": best[1]["robust"], "robust_ci": best[1]["robust_ci"]}
+            if best else None,
+            "kl_below_replaceme": [c for c, t in with_rm.items() if t["kl_below_replaceme"]],
+            "robust_above_replaceme": [c for c, t in with_rm.items() if t["robust_above_replaceme"]],
+            "replaceme_of": len(with_rm)}
+    sets = next((list(r["kl"]) for n, r in named.items() if n != "original"), [])
+    return {"model": model, "sets": sets, "rows": rows, "targets": targets, "bootstrap": boot.meta()}
+
+
+def _cell(row: dict, g: str, v: str, sets: list[str]) -> str:
+    c = row["cells"].get(f"{g}:{v}")
+    if c is None:
+        return "…"
+    txt = " / ".join(f"{c['kl'][s]:.2f}" if c["kl"][s] < 100 else fmt_kl(c["kl"][s]) for s in sets)
+    p = row["cells"].get("wiki:pruned")
+    if v != "pruned" and p is not None and p["blocks"] == c["blocks"] and all(c["kl"][s] < p["kl"][s] for s in sets):
+        return f"**{txt}**"
+    return txt
+
+
+def markdown(docs: list[dict], cfg: FidelityTableConfig) -> str:
+    lines = ["# Closeness to the original across the paper grids", "",
+             "Cells: KL(original ‖ model) in nats per position on "
+             + " / ".join(set_label(s) for s in docs[0]["sets"]) + " (held-out wiki-summaries windows, LAMBADA "
+             "passages, the seven tasks' prompts). **Bold**: lower than pruning the same blocks on every set. "
+             "`…`: run pending. Intervals, top-1 agreement and accuracy are in each grid's "
+             "`results/paper*/<model>.md`.", "",
+             f"Command: `python -m shift_lightning.recipes.fidelity_table` (grids: "
+             + ", ".join(f"{g} = `{f}`" for g, f in cfg.grids.items()) + ")."]
+    for doc in docs:
+        sets = doc["sets"]
+        lines += ["", f"## {doc['model']}", "",
+                  "| criterion | " + " | ".join(h for _, _, h in COLUMNS) + " | top-1 tasks pruned → +LRA |",
+                  "|---|" + "---:|" * (len(COLUMNS) + 1)]
+        for row in doc["rows"]:
+            p, lra = row["cells"].get("wiki:pruned"), row["cells"].get(f"wiki:{cfg.repair}")
+            top1 = f"{100 * p['top1']['tasks']:.1f} → {100 * lra['top1']['tasks']:.1f}" if p and lra else "…"
+            lines.append(f"| {row['criterion']} | " + " | ".join(_cell(row, g, v, sets) for g, v, _ in COLUMNS)
+                         + f" | {top1} |")
+        lines += ["", f"Targets for the repair `{cfg.repair}`, per calibration text:", ""]
+        for g, t in doc["targets"].items():
+            if not t["criteria"]:
+                lines.append(f"- **{g}**: no runs yet.")
+                continue
+            by = {r["criterion"]: r["targets"][g] for r in doc["rows"] if g in r["targets"]}
+            harm = [f"{c}: Avg {fmt_diff(by[c]['vs_pruned'], 'avg')}, Robust {fmt_diff(by[c]['vs_pruned'], 'robust')}"
+                    for c in t["harm"]]
+            b = t["best_robust"]
+            lines.append(
+                f"- **{g}** ({t['criteria']} of {len(cfg.criteria)} criteria run): closer than pruning on every set "
+                f"under {len(t['closer'])} of {t['closer_of']}"
+                + (f" (not: {', '.join(c for c in by if 'closer' in by[c] and not by[c]['closer'])})"
+                   if len(t["closer"]) < t["closer_of"] else "")
+                + f"; significantly below pruning on Avg or Robust under {len(t['harm'])} of {t['harm_of']}"
+                + (f" ({'; '.join(harm)})" if harm else "")
+                + f"; best Robust {fmt_ci(b['robust'], b['robust_ci'])} ({b['criterion']}); against the better "
+                f"ReplaceMe fitted on the same text: lower KL on every set under {len(t['kl_below_replaceme'])} of "
+                f"{t['replaceme_of']}, higher Robust under {len(t['robust_above_replaceme'])} of {t['replaceme_of']}.")
+    return "\n".join(lines) + "\n"
+
+
+def render(cfg: FidelityTableConfig) -> Path:
+    docs = [d for d in (model_rows(cfg, m) for m in cfg.models) if d is not None]
+    if not docs:
+        raise FileNotFoundError(f"No paper-grid runs under {list(cfg.grids.values())} for {cfg.models}: run "
+                                "python -m shift_lightning.recipes.reproduce --model … first")
+    out = Path(cfg.out)
+    write_json_atomic(out.with_suffix(".json"), {"repair": cfg.repair, "grids": cfg.grids, "models": docs})
+    write_text_atomic(out.with_suffix(".md"), markdown(docs, cfg))
+    return out
+
+
+def main(argv: list[str] | None = None):
+    from .cli import dataclass_main
+
+    def go(cfg: FidelityTableConfig):
+        out = render(cfg)
+        print(f"Fidelity table in {out.with_suffix('.md')}")
+        return out
+
+    return dataclass_main(FidelityTableConfig, go, __doc__.splitlines()[0], argv)
+
+
+if __name__ == "__main__":
+    main()
