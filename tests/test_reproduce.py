@@ -249,6 +249,8 @@ def test_domain_comparison_of_two_grids(tmp_path):
     assert (t["kl_below_replaceme"] == ["reverse_star"]) == all(lra_b["kl"][s] < rm_b["kl"][s] for s in pruned)
     row = table["rows"][0]["targets"]["mixed"]
     assert row["vs_pruned"]["avg_diff"] == direct["avg_diff"] and row["replaceme"]["variant"] == "replaceme"
+    rms = [json.loads((tmp_path / g / "tiny" / "reverse_star" / "replaceme.json").read_text())["kl"] for g in "ab"]
+    assert (t["kl_below_replaceme_any_text"] == ["reverse_star"]) == all(lra_b["kl"][s] < min(k[s] for k in rms) for s in pruned)
     assert (t["harm"] == []) == (direct["avg_diff_ci"][1] >= 0 and direct["robust_diff_ci"][1] >= 0)
     md = out.with_suffix(".md").read_text()
     assert "| reverse_star |" in md and "| angular | … |" in md and "**mixed** (1 of 2 criteria run)" in md
