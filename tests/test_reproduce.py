@@ -281,6 +281,18 @@ def test_a_criterion_with_the_same_blocks_reuses_the_run_and_recomputing_it_give
                       layers, "lra")
     assert _reuse(_tiny_grid(tmp_path, out=str(tmp_path / "a")), RunFolder(folder), "taylor", layers, "lra")
     assert RunFolder(folder).read("taylor/lra")["reused_from"] == "reverse_star/lra"  # the root, not a copy
+    # a run older than a setting (no such key in its config) has that setting's default; on another device too
+    old = RunFolder(folder).read("reverse_star/lra")
+    del old["config"]["guard_every"], old["config"]["kl_docs"]
+    old["closeness_added"] = {"eval": {"kl_docs": 50}}
+    RunFolder(folder).write("reverse_star/lra", old)
+    (folder / "taylor" / "lra.json").unlink()
+    assert _reuse(_tiny_grid(tmp_path, device="cuda", out=str(tmp_path / "a")), RunFolder(folder), "taylor", layers, "lra")
+    (folder / "taylor" / "lra.json").unlink()
+    old["closeness_added"] = {"eval": {"kl_docs": 7}}  # closeness measured on other docs: not the same run
+    for name in ("reverse_star/lra", "block_influence/lra"):  # every run on these blocks
+        RunFolder(folder).write(name, old)
+    assert not _reuse(_tiny_grid(tmp_path, out=str(tmp_path / "a")), RunFolder(folder), "taylor", layers, "lra")
     # recomputed from scratch in a folder without reverse_star's runs: the same numbers
     run(_tiny_grid(tmp_path, criteria=["block_influence"], variants=["pruned", "lra"], out=str(tmp_path / "b")))
     fresh = RunFolder(tmp_path / "b" / "tiny").read("block_influence/lra")

@@ -208,8 +208,16 @@ _RUN_INDEPENDENT = ("criteria", "variants", "fill", "render_only", "out", "n_boo
 
 
 def _same_settings(cfg: ReproduceConfig, doc: dict) -> bool:
+    """Whether ``doc`` was made with ``cfg``'s settings. A run older than a setting has that setting's
+    default (every setting was added with a default that keeps the old behaviour), closeness added later
+    has the settings it was measured with (``closeness_added``), and the device is the one it ran on (CPU
+    and GPU runs agree: ``results/device_check/``)."""
     mine = {k: v for k, v in asdict(cfg).items() if k not in _RUN_INDEPENDENT}
-    theirs = {k: v for k, v in (doc.get("config") or {}).items() if k not in _RUN_INDEPENDENT}
+    theirs = {**asdict(ReproduceConfig()), **(doc.get("closeness_added") or {}).get("eval", {}),
+              **(doc.get("config") or {})}
+    theirs = {k: v for k, v in theirs.items() if k not in _RUN_INDEPENDENT}
+    for d in (mine, theirs):
+        d.pop("device", None)
     return mine == theirs
 
 
