@@ -142,6 +142,15 @@ def test_help_shows_every_knob_with_its_description(name, expect):
         assert e in text, (name, e)
 
 
+@pytest.mark.parametrize("name", ["calibrate", "train"])
+def test_calibration_text_defaults_to_the_mixed_corpus_and_other_text_to_wiki(name):
+    """The documented defaults: maps are fitted on ``mixed``; held-out, fine-tuning and validation text stay wiki."""
+    args = _parsers()[name]().parse_args(["--output_dir", "/tmp/unused", "--model.name_or_path", "x"])
+    assert args["data.source"] == "mixed" and args["heldout.source"] == "wiki_summaries"
+    if name == "train":
+        assert args["train_data.source"] == args["val.source"] == "wiki_summaries"
+
+
 # ------------------------------------------------------------------------------------------------
 # Command line vs config
 # ------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from .. import dist
 from ..arch import decoder_layers
 from ..calibration import CalibrationConfig, CalibrationModule, Correction, check_windows
 from ..criteria import CRITERIA, CriterionError, PruneConfig, check_layers, num_to_remove
-from ..data import DataError, TextDataConfig, build_windows, check_seq_len
+from ..data import CALIBRATION_SOURCE, DataError, TextDataConfig, build_windows, check_seq_len
 from ..errors import ConfigError
 from ..models import ModelConfig, num_params
 from ..outputs import prepare_output, publish_dir
@@ -139,7 +139,7 @@ def run_calibration(
     ``trainer``: Trainer keyword arguments, or a built Trainer to run every pass on.
     ``command``: the command line that made the run (the model card quotes it).
     """
-    model_cfg, data = model or ModelConfig(), data or TextDataConfig()
+    model_cfg, data = model or ModelConfig(), data or TextDataConfig(source=CALIBRATION_SOURCE)
     heldout = heldout if heldout is not None else default_heldout()
     prune, calibration = prune or PruneConfig(), calibration or CalibrationConfig()
     if dist.launch_rank() == 0:

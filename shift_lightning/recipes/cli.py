@@ -29,7 +29,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 from ..calibration import CalibrationConfig
 from ..criteria import PruneConfig
-from ..data import TextDataConfig
+from ..data import CALIBRATION_SOURCE, TextDataConfig
 from ..errors import ConfigError, ShiftError, UsageError
 from ..evaluation.runner import EvalConfig
 from ..models import ModelConfig
@@ -131,6 +131,7 @@ def _calibration_groups(p: LightningArgumentParser) -> None:
     """``--model.* --data.* --heldout.* --prune.* --calibration.*``: shared by calibrate.py and train.py."""
     p.add_class_arguments(ModelConfig, "model", help="Where the model comes from")
     p.add_class_arguments(TextDataConfig, "data", help="Calibration text")
+    p.set_defaults({"data.source": CALIBRATION_SOURCE})
     p.add_class_arguments(TextDataConfig, "heldout", help="Held-out text for per-site errors")
     p.set_defaults({f"heldout.{k}": v for k, v in vars(default_heldout()).items()})
     p.add_class_arguments(PruneConfig, "prune", help="Which blocks to remove")

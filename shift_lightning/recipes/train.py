@@ -31,7 +31,7 @@ from ..arch import decoder_layers
 from ..calibration import CalibrationConfig
 from ..card import CardFacts, base_model_name
 from ..criteria import PruneConfig
-from ..data import TextDataConfig, build_windows
+from ..data import CALIBRATION_SOURCE, TextDataConfig, build_windows
 from ..errors import ConfigError
 from ..evaluation.runner import EvalConfig
 from ..models import ModelConfig
@@ -156,7 +156,7 @@ def run_training(
     model_cfg = model or ModelConfig()
     recovery = recovery or RecoveryConfig()
     train_data = train_data or TextDataConfig(num_samples=256, seed=1)
-    calib = {"data": data or TextDataConfig(), "heldout": heldout or TextDataConfig(split="heldout", num_samples=16),
+    calib = {"data": data or TextDataConfig(source=CALIBRATION_SOURCE), "heldout": heldout or TextDataConfig(split="heldout", num_samples=16),
              "prune": prune or PruneConfig(), "calibration": calibration or CalibrationConfig()}
     calibrating = built is None and not (model_cfg.tiny is None and is_shift_folder(model_cfg.name_or_path))
     # every check before any compute (and before the calibration this job may run first)
