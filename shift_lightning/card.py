@@ -56,6 +56,14 @@ class BaseInfo:
     note: str | None = None
 
 
+#: What the built-in text sources are, for readers of a card who do not have this repo at hand.
+_SOURCE_NOTES = {
+    "mixed": " (Wikipedia lead sections, CoQA stories and SciQ / Social IQa / CommonsenseQA question-answer "
+             "text; shift-lightning's `corpora.mixed`)",
+    "wiki_summaries": " (Wikipedia lead sections, CC BY-SA)",
+}
+
+
 def _front_matter_license(readme: Path) -> str | None:
     try:
         import yaml
@@ -214,7 +222,8 @@ def model_card(spec: dict, model: nn.Module | None, facts: CardFacts | None = No
             ("repair", repair)]
     if cal.get("data"):
         d = cal["data"]
-        rows.append(("calibration data", f"`{d.get('source')}`: {d.get('num_samples')} × {d.get('seq_len')} tokens "
+        rows.append(("calibration data", f"`{d.get('source')}`{_SOURCE_NOTES.get(d.get('source'), '')}: "
+                     f"{d.get('num_samples')} × {d.get('seq_len')} tokens "
                      f"({cal.get('calibration_tokens', 0):,} tokens)" + (f"; held-out {cal['heldout_tokens']:,} tokens"
                                                                          if cal.get("heldout_tokens") else "")))
     if rec:

@@ -317,6 +317,19 @@ def test_model_card_says_what_was_done_and_measured(tmp_path):
     assert torch.equal(ShiftLM(pretrained=str(tmp_path / "a"), device="cpu").model(ids).logits, ref(ids).logits)
 
 
+def test_card_says_what_a_built_in_calibration_corpus_is():
+    from shift_lightning.card import CardFacts, model_card
+
+    def row(source):
+        card = model_card({"original_num_layers": 4, "pruned_layers": [1], "base_model": "smollm2-135m"}, None,
+                          CardFacts(calibration={"data": {"source": source, "num_samples": 2, "seq_len": 8},
+                                                 "calibration_tokens": 16}))
+        return next(line for line in card.splitlines() if "calibration data" in line)
+
+    assert "CoQA stories" in row("mixed") and "Wikipedia" in row("wiki_summaries")
+    assert row("my.txt") == "| calibration data | `my.txt`: 2 × 8 tokens (16 tokens) |"  # a file speaks for itself
+
+
 def test_license_is_inherited_from_the_base_model(tmp_path):
     from shift_lightning.card import base_model_info
 
