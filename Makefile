@@ -31,8 +31,8 @@ $(STAMP): pyproject.toml
 run: $(STAMP)  ## main job: 25% Reverse-order* pruning of SmolLM2-135M + closed-form LRAs, evaluated
 	$(PY) calibrate.py --config configs/smollm2_reverse_star.yaml --output_dir outputs/smollm2_rs --overwrite
 
-test: $(STAMP)  ## the test suite (tiny random models, 2-process DDP over gloo)
-	$(PY) -m pytest -q
+test: $(STAMP)  ## the test suite (tiny random models, 2-process DDP over gloo), in 2 pytest workers
+	$(PY) -m pytest -q -n 2
 
 reproduce: $(STAMP)  ## the paper's tables for MODEL (resumable; many CPU-hours, ~10 GPU-minutes)
 	$(PY) -m shift_lightning.recipes.reproduce --model $(MODEL)

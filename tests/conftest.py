@@ -1,5 +1,7 @@
 """Shared fixtures."""
 
+import os
+
 import pytest
 
 
@@ -16,3 +18,8 @@ def pytest_configure(config):
     from shift_lightning.recipes.cli import quiet_third_party
 
     quiet_third_party()
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # `make test` runs pytest -n 2: share the cores instead of oversubscribing them
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
