@@ -252,6 +252,12 @@ def test_domain_comparison_of_two_grids(tmp_path):
     rms = [json.loads((tmp_path / g / "tiny" / "reverse_star" / "replaceme.json").read_text())["kl"] for g in "ab"]
     assert (t["kl_below_replaceme_any_text"] == ["reverse_star"]) == all(lra_b["kl"][s] < min(k[s] for k in rms) for s in pruned)
     assert (t["harm"] == []) == (direct["avg_diff_ci"][1] >= 0 and direct["robust_diff_ci"][1] >= 0)
+    falls = {k: runs["b"]["tasks"][k]["value"] - runs["p"]["tasks"][k]["value"] for k in runs["p"]["tasks"]}
+    worst, drop = min(falls, key=falls.get), row["largest_task_drop"]  # the task that falls most, if any falls
+    assert (drop is None) == (falls[worst] >= 0)
+    if drop is not None:
+        assert drop["task"] == worst and drop["original"] == runs["original"]["tasks"][worst]["value"]
+        assert abs(drop["avg_share"] - falls[worst] / len(falls)) < 1e-12
     md = out.with_suffix(".md").read_text()
     assert "| reverse_star |" in md and "| angular | … |" in md and "**mixed** (1 of 2 criteria run)" in md
 

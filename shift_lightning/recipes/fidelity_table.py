@@ -8,7 +8,9 @@ model) on every closeness set for pruning alone and for each repair, then per ca
 three questions a user of a pruning method asks of the repair (``--repair``, the LRA by default):
 
 * **closer**: is it closer to the original than pruning (lower KL on every set)?
-* **no harm**: is it never significantly below pruning on Avg or Robust (paired 95 % bootstrap)?
+* **no harm**: is it never significantly below pruning on Avg or Robust (paired 95 % bootstrap)? Where it
+  is, the task that falls most is named with the original's accuracy beside it (a fall towards the
+  original undoes an accidental gain of pruning).
 * **vs ReplaceMe**: is it closer (every set) and more accurate (Robust) than the better ReplaceMe
   variant fitted on the same text (the one with the lower mean KL)?
 
@@ -56,6 +58,20 @@ def _mean_kl(run: dict) -> float:
     return sum(run["kl"].values()) / len(run["kl"])
 
 
+def _largest_drop(run: dict, pruned: dict, original: dict) -> dict | None:
+    """The task whose accuracy falls most from pruning alone to ``run``, with the original's accuracy beside
+    it: a fall *towards* the original is the repair undoing an accidental gain of pruning, not new harm."""
+    drops = [(run["tasks"][t]["value"] - pruned["tasks"][t]["value"], t) for t in run["tasks"] if t in pruned["tasks"]]
+    if not drops:
+        return None
+    d, t = min(drops)
+    if d >= 0:
+        return None
+    o = original["tasks"].get(t, {}).get("value")
+    return {"task": t, "pruned": pruned["tasks"][t]["value"], "repaired": run["tasks"][t]["value"], "original": o,
+            "avg_share": d / len(drops)}
+
+
 def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
     """Rows and target counts for one model; ``None`` when the wiki grid has no original row."""
     from ..evaluation.summary import Bootstrap
@@ -99,6 +115,7 @@ def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
                 t["closer"] = all(run["kl"][s] < named[p]["kl"][s] for s in run["kl"])
                 t["vs_pruned"] = boot.difference(name, p)
                 t["no_harm"] = t["vs_pruned"]["avg_diff_ci"][1] >= 0 and t["vs_pruned"]["robust_diff_ci"][1] >= 0
+                t["largest_task_drop"] = _largest_drop(run, named[p], named["original"])
             peers = [f"{g}:{crit}/{m}" for m in REPLACEME if f"{g}:{crit}/{m}" in named]
             if peers:
                 best = min(peers, key=lambda n: _mean_kl(named[n]))
@@ -145,6 +162,14 @@ def _cell(row: dict, g: str, v: str, sets: list[str]) -> str:
     return txt
 
 
+def _drop_note(d: dict | None) -> str:
+    if not d:
+        return ""
+    o = f", original {100 * d['original']:.1f}" if d["original"] is not None else ""
+    return (f"; largest fall {d['task']} {100 * d['pruned']:.1f} → {100 * d['repaired']:.1f}{o}: "
+            f"{100 * d['avg_share']:+.1f} of Avg")
+
+
 def markdown(docs: list[dict], cfg: FidelityTableConfig) -> str:
     lines = ["# Closeness to the original across the paper grids", "",
              "Cells: KL(original ‖ model) in nats per position on "
@@ -171,7 +196,7 @@ def markdown(docs: list[dict], cfg: FidelityTableConfig) -> str:
                 continue
             by = {r["criterion"]: r["targets"][g] for r in doc["rows"] if g in r["targets"]}
             harm = [f"{c}: Avg {fmt_diff(by[c]['vs_pruned'], 'avg')}, Robust {fmt_diff(by[c]['vs_pruned'], 'robust')}"
-                    for c in t["harm"]]
+                    + _drop_note(by[c].get("largest_task_drop")) for c in t["harm"]]
             b = t["best_robust"]
             lines.append(
                 f"- **{g}** ({t['criteria']} of {len(cfg.criteria)} criteria run): closer than pruning on every set "
