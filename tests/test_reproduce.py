@@ -216,6 +216,10 @@ def test_domain_comparison_of_two_grids(tmp_path):
     kw = dict(criteria=["reverse_star"], variants=["pruned", "lra", "guarded", "replaceme"], calib_samples=8)
     run(_tiny_grid(tmp_path, out=str(tmp_path / "a"), **kw))
     run(_tiny_grid(tmp_path, out=str(tmp_path / "b"), calib_source=str(ROOT / "tests" / "data" / "tiny_heldout.txt"), **kw))
+    # each grid's own table names the text its maps were fitted on
+    md_b = (tmp_path / "b" / "tiny.md").read_text()
+    assert "calibration tokens (" + str(ROOT / "tests" / "data" / "tiny_heldout.txt") + ")" in md_b
+    assert "calibration tokens (" + str(ROOT / "tests" / "data" / "tiny_corpus.txt") + ")" in (tmp_path / "a" / "tiny.md").read_text()
     out = render(DomainCompareConfig(model="tiny", a=str(tmp_path / "a"), b=str(tmp_path / "b"), n_boot=50))
     doc = json.loads(out.with_suffix(".json").read_text())
     assert {(r["criterion"], r["repair"]) for r in doc["rows"]} == {("reverse_star", v) for v in ("lra", "guarded", "replaceme")}
@@ -249,6 +253,7 @@ def test_domain_comparison_of_two_grids(tmp_path):
     assert (t["kl_below_replaceme"] == ["reverse_star"]) == all(lra_b["kl"][s] < rm_b["kl"][s] for s in pruned)
     row = table["rows"][0]["targets"]["mixed"]
     assert row["vs_pruned"]["avg_diff"] == direct["avg_diff"] and row["replaceme"]["variant"] == "replaceme"
+    assert row["robust_below_replaceme_significantly"] == (row["replaceme"]["diff"]["robust_diff_ci"][1] < 0)
     rms = [json.loads((tmp_path / g / "tiny" / "reverse_star" / "replaceme.json").read_text())["kl"] for g in "ab"]
     assert (t["kl_below_replaceme_any_text"] == ["reverse_star"]) == all(lra_b["kl"][s] < min(k[s] for k in rms) for s in pruned)
     assert (t["harm"] == []) == (direct["avg_diff_ci"][1] >= 0 and direct["robust_diff_ci"][1] >= 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 from ...calibration import SOLVERS
@@ -22,6 +23,12 @@ LABELS = {"original": "original", "pruned": "pruned", **{n: cls.label for n, cls
 #: Peers of the LRA in the comparisons (and the two ReplaceMe variants, whose better one is "ReplaceMe").
 PEERS = ("nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch", "lra_guard", "guarded")
 REPLACEME = ("replaceme", "replaceme_cosine")
+
+
+#: How the table names a calibration text (``--calib_source``).
+CALIB_TEXTS = {"wiki_summaries": "wiki-summaries",
+               "mixed": "the mixed corpus: wiki-summaries with CoQA stories and SciQ, Social IQa, CommonsenseQA "
+                        "question-answer text, none of them evaluated"}
 
 
 def load_runs(folder: Path) -> dict[tuple, dict]:
@@ -69,6 +76,11 @@ def table_rows(folder: Path, n_boot: int = 2000) -> tuple[list[dict], dict]:
     return rows, boot.meta()
 
 
+def _calib_text(cfg: dict) -> str:
+    """The text a run's maps were fitted on (runs made before ``calib_source`` existed: the grid's text)."""
+    return cfg.get("calib_source") or cfg.get("text_source") or "wiki_summaries"
+
+
 def render(folder: Path, criteria: list[str], variants: list[str], ratio: float, n_boot: int = 2000) -> None:
     """``<model>.json``, ``<model>.md`` and the PNG plot from the runs on disk."""
     rows, meta = table_rows(folder, n_boot)
@@ -82,7 +94,11 @@ def render(folder: Path, criteria: list[str], variants: list[str], ratio: float,
                                   if (folder / c / f"{v}.json").exists()
                                   and "fidelity" not in json.loads((folder / c / f"{v}.json").read_text())],
             "selections": {c: sorted(json.loads((folder / c / "selection.json").read_text())["layers"])
-                           for c in criteria if (folder / c / "selection.json").exists()}}
+                           for c in criteria if (folder / c / "selection.json").exists()},
+            "calib_text": sorted({_calib_text(json.loads(f.read_text())["config"]) for f in folder.glob("*/*.json")
+                                  if f.name != "selection.json"})}
+    if info["calib_text"] and info["calib_text"] != ["wiki_summaries"] and info["command"]:  # the grid's own command
+        info["command"] += f" --calib_source {','.join(info['calib_text'])} --out {os.path.relpath(folder.parent)}"
     write_json_atomic(folder.with_suffix(".json"), {"info": info, "rows": rows})
     write_text_atomic(folder.with_suffix(".md"), markdown(rows, info, criteria, variants))
     try:
@@ -105,7 +121,8 @@ def markdown(rows: list[dict], info: dict, criteria: list[str], variants: list[s
              f"chance ({', '.join(TASK_LABELS.get(t, t) for t in info['bootstrap']['eligible_tasks'])}); 95% "
              f"paired bootstrap intervals over docs ({info['bootstrap']['n_boot']} resamples). PPL: "
              f"{c['ppl_windows']} × {c['seq_len']}-token windows of held-out wiki-summaries and of LAMBADA passages. "
-             f"Maps fitted on {c['calib_samples']} × {c['seq_len']} calibration tokens (wiki-summaries), relative "
+             f"Maps fitted on {c['calib_samples']} × {c['seq_len']} calibration tokens ("
+             + ", ".join(CALIB_TEXTS.get(t, t) for t in info.get("calib_text") or ["wiki_summaries"]) + "), relative "
              f"damping {c['damping']:g}; data-driven criteria scored on {c['select_samples']} × {c['select_seq_len']} "
              "tokens (linear_fit: on the calibration windows, every 4th judging). **Gain** = +LRA − pruned (Avg "
              "points). `…` = run still pending.", "",
