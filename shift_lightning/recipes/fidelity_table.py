@@ -123,6 +123,7 @@ def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
                                   "diff": boot.difference(name, best)}
                 t["kl_below_replaceme"] = all(run["kl"][s] < named[best]["kl"][s] for s in run["kl"])
                 t["robust_above_replaceme"] = t["robust"] > t["replaceme"]["robust"]
+                t["robust_below_replaceme_significantly"] = t["replaceme"]["diff"]["robust_diff_ci"][1] < 0
             anywhere = [f"{h}:{crit}/{m}" for h in grids for m in REPLACEME if f"{h}:{crit}/{m}" in named]
             if anywhere:  # ReplaceMe at its strongest: its lowest KL on each set over both variants and texts
                 t["replaceme_any_text"] = sorted(anywhere)
@@ -144,6 +145,8 @@ def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
             if best else None,
             "kl_below_replaceme": [c for c, t in with_rm.items() if t["kl_below_replaceme"]],
             "robust_above_replaceme": [c for c, t in with_rm.items() if t["robust_above_replaceme"]],
+            "robust_below_replaceme_significantly": [c for c, t in with_rm.items()
+                                                     if t["robust_below_replaceme_significantly"]],
             "replaceme_of": len(with_rm),
             "kl_below_replaceme_any_text": [c for c, t in ts.items() if t.get("kl_below_replaceme_any_text")],
             "replaceme_any_text_of": sum("replaceme_any_text" in t for t in ts.values())}
@@ -207,7 +210,10 @@ def markdown(docs: list[dict], cfg: FidelityTableConfig) -> str:
                 + (f" ({'; '.join(harm)})" if harm else "")
                 + f"; best Robust {fmt_ci(b['robust'], b['robust_ci'])} ({b['criterion']}); against the better "
                 f"ReplaceMe fitted on the same text: lower KL on every set under {len(t['kl_below_replaceme'])} of "
-                f"{t['replaceme_of']}, higher Robust under {len(t['robust_above_replaceme'])} of {t['replaceme_of']}; "
+                f"{t['replaceme_of']}, higher Robust under {len(t['robust_above_replaceme'])} of {t['replaceme_of']} "
+                f"(significantly lower under {len(t['robust_below_replaceme_significantly'])}"
+                + (f": {', '.join(t['robust_below_replaceme_significantly'])}"
+                   if t["robust_below_replaceme_significantly"] else "") + "); "
                 f"lower KL on every set than any ReplaceMe row (either variant, either text) under "
                 f"{len(t['kl_below_replaceme_any_text'])} of {t['replaceme_any_text_of']}.")
     return "\n".join(lines) + "\n"
