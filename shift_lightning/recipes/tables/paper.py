@@ -44,11 +44,14 @@ def load_runs(folder: Path) -> dict[tuple, dict]:
     return runs
 
 
-def table_rows(folder: Path, n_boot: int = 2000) -> tuple[list[dict], dict]:
-    """The table as data: one row per finished run, with avg, robust, closeness and their intervals."""
+def table_rows(folder: Path, n_boot: int = 2000, runs: dict[tuple, dict] | None = None) -> tuple[list[dict], dict]:
+    """The table as data: one row per finished run, with avg, robust, closeness and their intervals.
+
+    ``runs``: :func:`load_runs` of ``folder`` when the caller already has it (each file is read once).
+    """
     from ...evaluation.summary import Bootstrap
 
-    runs = load_runs(folder)
+    runs = load_runs(folder) if runs is None else runs
     if (None, "original") not in runs:
         return [], {}
     named = {f"{c}/{v}": r for (c, v), r in runs.items()}
@@ -83,21 +86,22 @@ def _calib_text(cfg: dict) -> str:
 
 def render(folder: Path, criteria: list[str], variants: list[str], ratio: float, n_boot: int = 2000) -> None:
     """``<model>.json``, ``<model>.md`` and the PNG plot from the runs on disk."""
-    rows, meta = table_rows(folder, n_boot)
+    runs = load_runs(folder)
+    rows, meta = table_rows(folder, n_boot, runs)
     if not rows:
         return
-    orig = json.loads((folder / "original.json").read_text())
+    orig = runs[(None, "original")]
+    made = {k: r for k, r in runs.items() if k != (None, "original")}
     info = {"model": orig["model"], "layers": orig["layers"], "config": orig["config"], "eval": orig["eval"],
             "command": orig["command"], "software": orig["software"], "bootstrap": meta,
-            "pending": [f"{c}/{v}" for c in criteria for v in variants if not (folder / c / f"{v}.json").exists()],
+            "pending": [f"{c}/{v}" for c in criteria for v in variants if (c, v) not in made],
             "closeness_pending": [f"{c}/{v}" for c in criteria for v in variants
-                                  if (folder / c / f"{v}.json").exists()
-                                  and "fidelity" not in json.loads((folder / c / f"{v}.json").read_text())],
+                                  if (c, v) in made and "fidelity" not in made[(c, v)]],
             "selections": {c: sorted(json.loads((folder / c / "selection.json").read_text())["layers"])
                            for c in criteria if (folder / c / "selection.json").exists()},
-            "calib_text": sorted({_calib_text(json.loads(f.read_text())["config"]) for f in folder.glob("*/*.json")
-                                  if f.name != "selection.json"})}
-    if info["calib_text"] and info["calib_text"] != ["wiki_summaries"] and info["command"]:  # the grid's own command
+            "calib_text": sorted({_calib_text(r["config"]) for r in made.values()})}
+    # The grid's own command is the original's; a grid whose maps were fitted on another text names it.
+    if info["calib_text"] and info["calib_text"] != [_calib_text(orig["config"])] and info["command"]:
         info["command"] += f" --calib_source {','.join(info['calib_text'])} --out {os.path.relpath(folder.parent)}"
     write_json_atomic(folder.with_suffix(".json"), {"info": info, "rows": rows})
     write_text_atomic(folder.with_suffix(".md"), markdown(rows, info, criteria, variants))
