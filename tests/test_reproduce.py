@@ -265,6 +265,15 @@ def test_domain_comparison_of_two_grids(tmp_path):
         assert abs(drop["avg_share"] - falls[worst] / len(falls)) < 1e-12
     md = out.with_suffix(".md").read_text()
     assert "| reverse_star |" in md and "| angular | … |" in md and "**mixed** (1 of 2 criteria run)" in md
+    assert md.count("against the better ReplaceMe fitted on the same text: lower KL on every set under") == 2
+    # a grid without same-text ReplaceMe rows says so instead of counting "0 of 0"
+    (tmp_path / "b" / "tiny" / "reverse_star" / "replaceme.json").unlink()
+    out = render_table(FidelityTableConfig(models=["tiny"], grids={"wiki": str(tmp_path / "a"), "mixed": str(tmp_path / "b")},
+                                           criteria=["reverse_star", "angular"], out=str(tmp_path / "fid"), n_boot=50))
+    assert json.loads(out.with_suffix(".json").read_text())["models"][0]["targets"]["mixed"]["replaceme_of"] == 0
+    md = out.with_suffix(".md").read_text()
+    assert md.count("against the better ReplaceMe fitted on the same text") == 1
+    assert "no ReplaceMe row fitted on the same text yet" in md
 
 
 def test_a_criterion_with_the_same_blocks_reuses_the_run_and_recomputing_it_gives_the_same_numbers(tmp_path):

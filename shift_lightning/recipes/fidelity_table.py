@@ -208,13 +208,15 @@ def markdown(docs: list[dict], cfg: FidelityTableConfig) -> str:
                    if len(t["closer"]) < t["closer_of"] else "")
                 + f"; significantly below pruning on Avg or Robust under {len(t['harm'])} of {t['harm_of']}"
                 + (f" ({'; '.join(harm)})" if harm else "")
-                + f"; best Robust {fmt_ci(b['robust'], b['robust_ci'])} ({b['criterion']}); against the better "
-                f"ReplaceMe fitted on the same text: lower KL on every set under {len(t['kl_below_replaceme'])} of "
-                f"{t['replaceme_of']}, higher Robust under {len(t['robust_above_replaceme'])} of {t['replaceme_of']} "
-                f"(significantly lower under {len(t['robust_below_replaceme_significantly'])}"
-                + (f": {', '.join(t['robust_below_replaceme_significantly'])}"
-                   if t["robust_below_replaceme_significantly"] else "") + "); "
-                f"lower KL on every set than any ReplaceMe row (either variant, either text) under "
+                + f"; best Robust {fmt_ci(b['robust'], b['robust_ci'])} ({b['criterion']}); "
+                + ("no ReplaceMe row fitted on the same text yet; " if not t["replaceme_of"] else
+                   f"against the better ReplaceMe fitted on the same text: lower KL on every set under "
+                   f"{len(t['kl_below_replaceme'])} of {t['replaceme_of']}, higher Robust under "
+                   f"{len(t['robust_above_replaceme'])} of {t['replaceme_of']} "
+                   f"(significantly lower under {len(t['robust_below_replaceme_significantly'])}"
+                   + (f": {', '.join(t['robust_below_replaceme_significantly'])}"
+                      if t["robust_below_replaceme_significantly"] else "") + "); ")
+                + f"lower KL on every set than any ReplaceMe row (either variant, either text) under "
                 f"{len(t['kl_below_replaceme_any_text'])} of {t['replaceme_any_text_of']}.")
     return "\n".join(lines) + "\n"
 
