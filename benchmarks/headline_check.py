@@ -17,21 +17,10 @@ import torch  # noqa: E402
 
 from shift_lightning import load_pretrained  # noqa: E402
 from shift_lightning.outputs import write_json_atomic  # noqa: E402
+from shift_lightning.recipes.tables.recovery import read_curves  # noqa: E402
 from shift_lightning.reports import RecoveryReport  # noqa: E402
 
 REQUIRED = ("val/ppl", "val/kl", "zeroshot/avg", "train/loss")
-
-
-def scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out: dict[str, list] = {}
-    for f in sorted(logdir.rglob("events.out.tfevents*")):
-        ea = EventAccumulator(str(f))
-        ea.Reload()
-        for tag in ea.Tags()["scalars"]:
-            out.setdefault(tag, []).extend((e.step, e.value) for e in ea.Scalars(tag))
-    return {k: sorted(v) for k, v in out.items()}
 
 
 def main(argv=None) -> int:
@@ -43,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     report = RecoveryReport.read(Path(a.model_dir) / "recovery_report.json")
-    curves = scalars(Path(a.tb))
+    curves = read_curves(Path(a.tb))
     missing = [t for t in REQUIRED if t not in curves]
     if missing:
         print(f"missing TensorBoard scalars {missing} in {a.tb} (have {sorted(curves)})", file=sys.stderr)
