@@ -50,6 +50,22 @@ class _Stop(Exception):
     pass
 
 
+def _forward_through(model: nn.Module, batch: dict, on_block, last: int) -> None:
+    """Run the decoder on ``batch`` with ``on_block(i, x_in, x_out)`` hooked on every block, and stop
+    after block ``last`` (nothing later is needed)."""
+
+    def hook(i, x_in, x_out):
+        on_block(i, x_in, x_out)
+        if i == last:
+            raise _Stop
+
+    with block_hooks(decoder_layers(model), hook):
+        try:
+            model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        except _Stop:
+            pass
+
+
 def select_spans(cost: dict[tuple[int, int], float], allowed: list[int], num_layers: int, k: int) -> list[int]:
     """The ``k`` blocks of ``allowed`` whose maximal runs ``[a, b)`` minimise ``Σ cost(a, b)``
     (ties: the lexicographically smallest block list). ``cost`` holds every allowed run of at most
@@ -145,24 +161,15 @@ class LinearFit:
     @torch.no_grad()
     def step(self, model: nn.Module, batch: dict) -> None:
         mask = batch["attention_mask"].bool()
-        layers = decoder_layers(model)
         if self.phase == 0:
-            last = max(self.stats)
 
-            def on_block(i, x_in, x_out):
+            def accumulate(i, x_in, x_out):
                 if i in self.stats:
                     self.stats[i].add_batch(x_in[mask], (x_out - x_in)[mask])
-                if i == last:
-                    raise _Stop
 
-            with block_hooks(layers, on_block):
-                try:
-                    model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-                except _Stop:
-                    pass
+            _forward_through(model, batch, accumulate, last=max(self.stats))
             return
         chains: dict[int, torch.Tensor] = {}
-        last = max(self.maps)
 
         def on_block(j, x_in, x_out):
             if j not in self.maps:
@@ -180,14 +187,8 @@ class LinearFit:
                     chains[a] = y
                     self.err[a, j + 1 - a] += (h - y).double().square().sum()
                     self.den[a, j + 1 - a] += energy
-            if j == last:
-                raise _Stop
 
-        with block_hooks(layers, on_block):
-            try:
-                model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-            except _Stop:
-                pass
+        _forward_through(model, batch, on_block, last=max(self.maps))
 
     def state(self) -> list[torch.Tensor]:
         return [self.flat] if self.phase == 0 else [self.err, self.den]
