@@ -52,6 +52,7 @@ def test_calibrate_errors_are_one_line(tmp_path, capsys):
     cases = [
         (["--config", "nope.yaml", *out], "Config file 'nope.yaml' not found"),  # bad config
         ([*tiny, "--calibration.damping", "0"], "--calibration.damping must be a finite number > 0"),
+        ([*tiny, "--calibration.guard_ranks", "[0]"], "--calibration.guard_ranks must be whole ranks >= 1"),
         ([*tiny, "--data.source", "/no/such/corpus.txt"], "Calibration data not found: /no/such/corpus.txt"),
         ([*tiny, "--data.source", str(binary)], f"{binary} is not UTF-8 text"),
         ([*tiny, "--data.num_samples", "100000"], "windows of 64 tokens fit in the text (asked for 100000)"),

@@ -325,6 +325,32 @@ def test_guard_chooses_by_heldout_closeness_and_refits_on_all_windows(tiny):
     assert_close(guarded.branch_maps[3], rme.branch_maps[3], rtol=1e-9, atol=1e-9)
 
 
+def test_guard_rank_path_picks_the_low_rank_fit_and_stores_it_low_rank(tiny):
+    """A block whose update is exactly rank 2: with the full-rank LRA shrunk hard (``guard_path``),
+    the rank-2 candidate of ``guard_ranks`` is the one that keeps the model at the original; it is
+    refitted on every window into the same low-rank adapter (2dr + d parameters) the plain rank-2
+    LRA gives. Ranks at or above d are the full-rank fit and are not tried twice."""
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    d = model.config.hidden_size
+    g = torch.Generator().manual_seed(11)
+    U, V = torch.randn(d, 2, generator=g, dtype=torch.float64), torch.randn(d, 2, generator=g, dtype=torch.float64)
+    c = 0.5 * torch.randn(d, dtype=torch.float64, generator=g)
+    decoder_layers(model)[2] = Linear(torch.eye(d, dtype=torch.float64) + 0.3 * U @ V.T / d ** 0.5, c)
+    win = _windows(tok, n=12)
+    cfg = CalibrationConfig(damping=1e-8, guard_path=[10.0], guard_ranks=[2, d])
+    mod = CalibrationModule(model, [2], cfg, solvers=["guarded"])
+    mod.calibrate(_trainer(), win, batch_size=3)
+    rep = mod.reports[mod.spans[0].key]["guard"]
+    assert set(rep["kl"]) == {"none", "lra@10", "lra@r2", "nobias", "replaceme"}
+    assert rep["chosen"] == "lra@r2" and rep["kl"]["lra@r2"] < 1e-4 * min(rep["kl"]["none"], rep["kl"]["lra@10"])
+    plain = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(damping=1e-8, rank=2), solvers=["lra"])
+    plain.calibrate(_trainer(), win, batch_size=3)
+    got, want = mod.correction("guarded").adapters[2], plain.correction("lra").adapters[2]
+    assert sum(p.numel() for p in got.parameters()) == 2 * d * 2 + d
+    x = torch.randn(2, 3, d, dtype=torch.float64)
+    assert_close(got(x), want(x), rtol=1e-9, atol=1e-9)
+
+
 def test_replaceme_cosine_follows_the_reference_recipe(tiny):
     """Adam from T = I on cos(m T, m + Δ): the loss falls, the map points where least squares does,
     and the fit is deterministic (seeded order)."""

@@ -51,6 +51,9 @@ class CalibrationConfig:
     guard_path: list[float] | None = None
     """``guarded``: the LRA's ridge path, relative dampings tried besides none / no bias / ReplaceMe
     (``null``: ``[damping, 1e-2, 1, 100]``)."""
+    guard_ranks: list[int] | None = None
+    """``guarded``: adapter ranks tried besides the full-rank ridge path, each at ``damping`` (the
+    optimal reduced-rank fit, e.g. ``[128, 256]``); ``null``: none."""
     guard_topk: int = 64
     """``guarded``: the original's top-k next-token probabilities kept per held-out position (KL)."""
     cosine_epochs: int = 10
@@ -79,6 +82,9 @@ class CalibrationConfig:
             raise ConfigError(f"--calibration.guard_every must be >= 2 (every k-th window held out), got {self.guard_every}")
         if not self.ridge_path() or any(not (math.isfinite(x) and x > 0) for x in self.ridge_path()):
             raise ConfigError(f"--calibration.guard_path must be finite relative dampings > 0, got {self.guard_path}")
+        if self.guard_ranks is not None and any(isinstance(r, bool) or not isinstance(r, int) or r < 1
+                                                for r in self.guard_ranks):
+            raise ConfigError(f"--calibration.guard_ranks must be whole ranks >= 1 (or null), got {self.guard_ranks}")
         if self.guard_topk < 1:
             raise ConfigError(f"--calibration.guard_topk must be >= 1, got {self.guard_topk}")
         for name in ("cosine_epochs", "cosine_batch_tokens", "cosine_max_tokens"):

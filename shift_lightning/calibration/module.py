@@ -32,6 +32,7 @@ from .sequential import SequentialWalk
 from .sites import Site, make_sites, sites_in, span_sites
 from .solve import Job, solve_shared
 from .solvers import Solver, get_solver
+from .solvers.guard import Candidate
 
 log = logging.getLogger(__name__)
 
@@ -213,28 +214,32 @@ class CalibrationModule(DataPass):
                 getattr(mine, field_).buffer += t.buffer
 
     # ---------------------------------------------------------------- the guard
-    def _candidate(self, name: str, solver: str | None, span: Site, sols: dict) -> SpanMap | None:
-        if solver is None:
-            return SpanMap(span, source=name)
-        s = self.solvers[solver]
-        if s.placement == "branch":
-            sol = sols.get((name, span.key))
-            return None if sol is None else SpanMap(span, branch=sol.W.T, source=name)
-        dtype = next(self.model.parameters()).dtype
-        parts = [adapter_from(sols[(name, t.key)], s.bias, dtype, s.rank(self.dim)) for t in sites_in(span, self.sites)]
-        return SpanMap(span, adapter=chain(parts, self.cfg.merge), source=name)
+    def _candidate_solver(self, c: Candidate):
+        cfg = replace(self.cfg, damping=self.cfg.damping if c.damping is None else c.damping, rank=c.rank)
+        return get_solver(c.solver, cfg)
 
-    def _guard_jobs(self, choices: list[tuple[str, str | None, float | None]], fitting: bool) -> dict:
+    def _candidate(self, c: Candidate, span: Site, sols: dict) -> SpanMap | None:
+        if c.solver is None:
+            return SpanMap(span, source=c.name)
+        s = self._candidate_solver(c)
+        if s.placement == "branch":
+            sol = sols.get((c.name, span.key))
+            return None if sol is None else SpanMap(span, branch=sol.W.T, source=c.name)
+        dtype = next(self.model.parameters()).dtype
+        parts = [adapter_from(sols[(c.name, t.key)], s.bias, dtype, s.rank(self.dim)) for t in sites_in(span, self.sites)]
+        return SpanMap(span, adapter=chain(parts, self.cfg.merge), source=c.name)
+
+    def _guard_jobs(self, choices: list[Candidate], fitting: bool) -> dict:
         jobs = []
-        for name, solver, lam in choices:
-            if solver is None:
+        for c in choices:
+            if c.solver is None:
                 continue
-            s = get_solver(solver, replace(self.cfg, damping=lam) if lam is not None else self.cfg)
+            s = self._candidate_solver(c)
             for span in self.spans:
                 for t in ([span] if s.per_span else sites_in(span, self.sites)):
                     if s.applies(t):
                         st = self.statistics[t.key]
-                        jobs.append(Job(name, t, s, st.fitting() if fitting else st))
+                        jobs.append(Job(c.name, t, s, st.fitting() if fitting else st))
         device = self._collector.flat.device
         return {(j.tag, j.site.key): sol for j, sol in zip(jobs, solve_shared(jobs, self.dim, device))}
 
@@ -242,12 +247,12 @@ class CalibrationModule(DataPass):
         """Fit the candidates without the held-out windows, judge them there, refit the chosen (see
         :mod:`~shift_lightning.calibration.solvers.guard`)."""
         guard = self.solvers["guarded"]
-        cands = guard.candidates()
+        cands = guard.candidates(self.dim)
         sols = self._guard_jobs(cands, fitting=True)
-        default_name = next(n for n, s, lam in cands if s == "lra")
+        default_name = next(c.name for c in cands if c.solver == "lra")
         candidates, default = {}, {}
         for span in self.spans:
-            maps = [self._candidate(n, s, span, sols) for n, s, _ in cands]
+            maps = [self._candidate(c, span, sols) for c in cands]
             candidates[span.key] = [m for m in maps if m is not None]
             default[span.key] = next(m for m in candidates[span.key] if m.source == default_name)
         k = self.cfg.guard_every
@@ -258,12 +263,11 @@ class CalibrationModule(DataPass):
         judge = GuardJudge(self.model, self.removed, self.spans, candidates, default, self.cfg.guard_topk)
         judge.run(trainer, TokenWindows(windows.input_ids[held_out], windows.attention_mask[held_out]), batch_size)
         chosen = {key: judge.results[key]["chosen"] for key in judge.results}
-        refit = self._guard_jobs([c for c in cands if c[0] in set(chosen.values())], fitting=False)
+        refit = self._guard_jobs([c for c in cands if c.name in set(chosen.values())], fitting=False)
         self._chosen["guarded"] = {}
         for span in self.spans:
-            name = chosen[span.key]
-            solver = next(s for n, s, _ in cands if n == name)
-            self._chosen["guarded"][span.key] = self._candidate(name, solver, span, refit)
+            c = next(c for c in cands if c.name == chosen[span.key])
+            self._chosen["guarded"][span.key] = self._candidate(c, span, refit)
             self.reports[span.key]["guard"] = {**judge.results[span.key], "held_out_windows": len(held_out)}
 
     # ---------------------------------------------------------------- held-out errors

@@ -9,7 +9,9 @@ Every ``guard_every``-th calibration window is held out. On the others the guard
 the candidates
 
     none (plain pruning) · the LRA at each relative damping of ``--calibration.guard_path``
-    (its ridge path, shrinking towards none) · the LRA without bias · ReplaceMe (least squares)
+    (its ridge path, shrinking towards none) · the LRA at each rank of ``--calibration.guard_ranks``
+    (opt-in; the optimal reduced-rank fit, another shrinkage) · the LRA without bias · ReplaceMe
+    (least squares)
 
 and, span after span (earlier spans at their chosen map, later spans at the plain LRA), runs the
 pruned model on the held-out windows with each candidate in place and keeps the one with the
@@ -20,9 +22,21 @@ on all windows. The held-out windows are calibration text, never the evaluated d
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ...stats import Solution
 from ..collect import SiteStatistics
 from .base import Solver, register
+
+
+class Candidate(NamedTuple):
+    """One map the guard may choose for a span: ``solver`` None is plain pruning; ``damping`` /
+    ``rank`` override the run's ``--calibration.damping`` / ``--calibration.rank`` for this fit."""
+
+    name: str
+    solver: str | None
+    damping: float | None = None
+    rank: int | None = None
 
 
 @register
@@ -33,11 +47,12 @@ class Guarded(Solver):
     needs = frozenset()
     wraps = ("lra", "nobias", "replaceme")
 
-    def candidates(self) -> list[tuple[str, str | None, float | None]]:
-        """``(candidate, solver, relative damping)`` in tie-breaking order; ``None``: no map."""
-        out: list[tuple[str, str | None, float | None]] = [("none", None, None)]
-        out += [(f"lra@{lam:g}", "lra", lam) for lam in self.cfg.ridge_path()]
-        out += [("nobias", "nobias", None), ("replaceme", "replaceme", None)]
+    def candidates(self, dim: int) -> list[Candidate]:
+        """The candidates in tie-breaking order (ranks ``≥ dim`` are the full-rank LRA: left out)."""
+        out = [Candidate("none", None)]
+        out += [Candidate(f"lra@{lam:g}", "lra", damping=lam) for lam in self.cfg.ridge_path()]
+        out += [Candidate(f"lra@r{r}", "lra", rank=r) for r in self.cfg.guard_ranks or [] if r < dim]
+        out += [Candidate("nobias", "nobias"), Candidate("replaceme", "replaceme")]
         return out
 
     def fit(self, stats: SiteStatistics) -> Solution:  # pragma: no cover - orchestrated by the module
