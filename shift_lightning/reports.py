@@ -94,11 +94,17 @@ class CalibrationReport:
                  f"{c['rank'] or 'full'}, relative damping {c['damping']:g}",
                  f"- calibration tokens {self.calibration_tokens:,}, held-out tokens {self.heldout_tokens:,}, "
                  f"world size {self.world_size}",
-                 f"- parameters {self.params_before:,} → {self.params_after:,}; {self.seconds['total']:.1f} s", "",
-                 "| site | blocks | calib rel. error | held-out rel. error | λ |", "|---|---|---|---|---|"]
-        for s in self.sites:
-            lines.append(f"| {s['index']} | {s['blocks']} | {s.get('calib_rel_error', float('nan')):.4f} | "
-                         f"{s.get('heldout_rel_error', float('nan')):.4f} | {s.get('lam', float('nan')):.3g} |")
+                 f"- parameters {self.params_before:,} → {self.params_after:,}; {self.seconds['total']:.1f} s"]
+
+        def cell(v, fmt: str) -> str:
+            return "–" if v is None or v != v else format(v, fmt)
+
+        keys = ("calib_rel_error", "heldout_rel_error", "lam")
+        if any(cell(s.get(k), "g") != "–" for s in self.sites for k in keys):  # per-span solvers fit no site
+            lines += ["", "| site | blocks | calib rel. error | held-out rel. error | λ |", "|---|---|---|---|---|"]
+            for s in self.sites:
+                lines.append(f"| {s['index']} | {s['blocks']} | {cell(s.get('calib_rel_error'), '.4f')} | "
+                             f"{cell(s.get('heldout_rel_error'), '.4f')} | {cell(s.get('lam'), '.3g')} |")
         guards = [s for s in self.spans if "guard" in s]
         if guards:
             lines += ["", "| span | guard's choice | KL of each candidate (held-out calibration windows) |", "|---|---|---|"]
