@@ -96,11 +96,14 @@ class CalibrationReport:
                  f"world size {self.world_size}",
                  f"- parameters {self.params_before:,} → {self.params_after:,}; {self.seconds['total']:.1f} s"]
 
+        def missing(v) -> bool:
+            return v is None or v != v
+
         def cell(v, fmt: str) -> str:
-            return "–" if v is None or v != v else format(v, fmt)
+            return "–" if missing(v) else format(v, fmt)
 
         keys = ("calib_rel_error", "heldout_rel_error", "lam")
-        if any(cell(s.get(k), "g") != "–" for s in self.sites for k in keys):  # per-span solvers fit no site
+        if not all(missing(s.get(k)) for s in self.sites for k in keys):  # per-span solvers fit no site
             lines += ["", "| site | blocks | calib rel. error | held-out rel. error | λ |", "|---|---|---|---|---|"]
             for s in self.sites:
                 lines.append(f"| {s['index']} | {s['blocks']} | {cell(s.get('calib_rel_error'), '.4f')} | "

@@ -30,8 +30,8 @@ from .base import Solver, register
 
 
 class Candidate(NamedTuple):
-    """One map the guard may choose for a span: ``solver`` None is plain pruning; ``damping`` /
-    ``rank`` override the run's ``--calibration.damping`` / ``--calibration.rank`` for this fit."""
+    """One map the guard may choose for a span: ``solver`` None is plain pruning; ``damping``
+    replaces ``--calibration.damping`` for this fit (None: keep it); ``rank`` None is full rank."""
 
     name: str
     solver: str | None
