@@ -266,6 +266,13 @@ def test_domain_comparison_of_two_grids(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "| reverse_star |" in md and "| angular | … |" in md and "**mixed** (1 of 2 criteria run)" in md
     assert md.count("against the better ReplaceMe fitted on the same text: lower KL on every set under") == 2
+    # the per-criterion comparison behind the counts: the paired difference, the same as Bootstrap's directly
+    runs["rm"] = rm_b
+    d = Bootstrap(runs, "original", n_boot=50).difference("b", "rm")
+    line = next(x for x in md.splitlines() if x.startswith("| reverse_star | mixed | replaceme |"))
+    assert line.endswith(f" | {100 * d['avg_diff']:+.1f} [{100 * d['avg_diff_ci'][0]:+.1f}, {100 * d['avg_diff_ci'][1]:+.1f}] |")
+    rm_kl = " / ".join(f"{rm_b['kl'][s]:.2f}" for s in table["sets"])
+    assert f"| {rm_kl} |" in line and " | – | – | – | " in line  # tiny models: no task above chance, no Robust
     # a grid without same-text ReplaceMe rows says so instead of counting "0 of 0"
     (tmp_path / "b" / "tiny" / "reverse_star" / "replaceme.json").unlink()
     out = render_table(FidelityTableConfig(models=["tiny"], grids={"wiki": str(tmp_path / "a"), "mixed": str(tmp_path / "b")},

@@ -218,7 +218,39 @@ def markdown(docs: list[dict], cfg: FidelityTableConfig) -> str:
                       if t["robust_below_replaceme_significantly"] else "") + "); ")
                 + f"lower KL on every set than any ReplaceMe row (either variant, either text) under "
                 f"{len(t['kl_below_replaceme_any_text'])} of {t['replaceme_any_text_of']}.")
+        lines += _replaceme_table(doc, cfg)
     return "\n".join(lines) + "\n"
+
+
+def _pct(v: float) -> str:
+    return "–" if v != v else f"{100 * v:.1f}"
+
+
+def _diff(d: dict, key: str) -> str:
+    return "–" if d[f"{key}_diff"] != d[f"{key}_diff"] else fmt_diff(d, key)
+
+
+def _replaceme_table(doc: dict, cfg: FidelityTableConfig) -> list[str]:
+    """Per criterion and calibration text: the repair against the better ReplaceMe fitted on the same text,
+    with the paired differences (repair − ReplaceMe) behind the target counts."""
+    sets = doc["sets"]
+    rows = [(r["criterion"], g, t) for g in cfg.grids for r in doc["rows"]
+            for t in [r["targets"].get(g)] if t and "replaceme" in t]
+    if not rows:
+        return []
+    kl = " / ".join(set_label(s) for s in sets)
+    lines = ["", f"`{cfg.repair}` against the better ReplaceMe variant fitted on the same text (by mean KL), paired 95 % "
+             "bootstrap over the same docs (↑ / ↓: the interval lies above / below 0):", "",
+             f"| criterion | text | ReplaceMe variant | KL {kl}: ReplaceMe | KL: {cfg.repair} | Robust ReplaceMe | "
+             f"Robust {cfg.repair} | Robust {cfg.repair} − ReplaceMe | Avg {cfg.repair} − ReplaceMe |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for crit, g, t in rows:
+        rm = t["replaceme"]
+        lines.append(f"| {crit} | {g} | {rm['variant']} | " + " / ".join(f"{rm['kl'][s]:.2f}" for s in sets)
+                     + " | " + " / ".join(f"{t['kl'][s]:.2f}" for s in sets)
+                     + f" | {_pct(rm['robust'])} | {_pct(t['robust'])} | {_diff(rm['diff'], 'robust')}"
+                     f" | {_diff(rm['diff'], 'avg')} |")
+    return lines
 
 
 def render(cfg: FidelityTableConfig) -> Path:
