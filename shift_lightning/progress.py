@@ -172,6 +172,26 @@ class StageProgress(ProgressBar):
         self._close("val")
 
 
+class _Plain:
+    """What a :class:`_Bar` needs of its owner, outside a Trainer."""
+
+    def __init__(self, interval: float, stream: TextIO | None, tty: bool | None):
+        self.interval, self.stream = interval, stream or sys.stderr
+        if tty is None:
+            try:
+                tty = self.stream.isatty()
+            except (AttributeError, ValueError):
+                tty = False
+        self.tty = tty
+
+
+def stage_bar(name: str, total: int, interval: float = 30.0, stream: TextIO | None = None,
+              tty: bool | None = None) -> _Bar:
+    """The same progress as :class:`StageProgress` for a loop outside Lightning (the evaluator's units in
+    the grids): ``bar.step()`` per item, ``bar.close()`` at the end."""
+    return _Bar(_Plain(interval, stream, tty), name, total)
+
+
 def with_stage_progress(trainer_kwargs: dict) -> dict:
     """``Trainer`` keyword arguments with a :class:`StageProgress` in the callbacks (unless the bar is
     switched off or another progress bar is already there)."""

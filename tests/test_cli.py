@@ -234,3 +234,33 @@ def test_progress_lines_name_their_stage_in_a_log_file():
     assert re.fullmatch(r"\[\d\d:\d\d:\d\d\] calibration statistics: done, 4 steps in 0:00:\d\d \([\d.]+ it/s\)",
                         lines[4])
     assert lines[5].endswith("held-out errors: 4 steps") and "held-out errors: done" in lines[-1]
+
+
+def test_grid_evaluation_shows_progress_in_a_log_file(capsys):
+    """The grids evaluate outside Lightning (``evaluate_model``): each pass still names itself, with a
+    closing line, instead of tqdm's carriage returns (and the grid's own trainer shows its passes)."""
+    from dataclasses import replace
+
+    from shift_lightning.evaluation.runner import EvalConfig, evaluate_model
+    from shift_lightning.models import build_tiny_model
+    from shift_lightning.progress import StageProgress, stage_bar
+    from shift_lightning.recipes.harness import quiet_trainer_factory
+
+    assert any(isinstance(c, StageProgress) for c in quiet_trainer_factory()().callbacks)
+    model, tok = build_tiny_model("llama")
+    cfg = EvalConfig(tasks="", ppl=CORPUS, ppl_seq_len=32, ppl_max_windows=4, kl=False)
+    capsys.readouterr()
+    evaluate_model(model, tok, cfg, tasks=False)
+    err = capsys.readouterr().err
+    assert "\r" not in err and re.search(r"\] evaluation \(perplexity and closeness\): \d+ steps\n", err), err
+    assert re.search(r"\] evaluation \(perplexity and closeness\): done, \d+ steps in 0:00:\d\d", err), err
+    evaluate_model(model, tok, replace(cfg, progress=False), tasks=False)
+    assert capsys.readouterr().err == ""
+    log = io.StringIO()
+    bar = stage_bar("scores", 3, interval=0, stream=log, tty=False)
+    for _ in range(3):
+        bar.step()
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert lines[0].endswith("] scores: 3 steps") and re.search(r"\] scores: 33% \(1/3\), [\d.]+ it/s", lines[1])
+    assert re.search(r"\] scores: done, 3 steps in 0:00:00", lines[-1]) and len(lines) == 4

@@ -24,20 +24,24 @@ from . import scoring as S
 from .evaluator import (EvalConfig, Evaluator, TokenizerMissing, Unit, check_tokenizer,  # noqa: F401 (re-exported)
                         chance_level, make_evaluator)
 
-def run_units(model: nn.Module, evaluator: Evaluator, units: list[Unit], progress: bool, record: bool = False) -> None:
-    """Score ``units`` in eval mode (training mode restored afterwards)."""
+def run_units(model: nn.Module, evaluator: Evaluator, units: list[Unit], progress: bool, record: bool = False,
+              stage: str = "evaluation") -> None:
+    """Score ``units`` in eval mode (training mode restored afterwards); ``progress``: a bar named ``stage``
+    on a terminal, a line every 30 s in a log file (:func:`~shift_lightning.progress.stage_bar`)."""
+    from ..progress import stage_bar
+
     was_training = model.training
     model.eval()
+    bar = stage_bar(stage, len(units)) if progress else None
     try:
-        it = units
-        if progress:
-            from tqdm.auto import tqdm
-
-            it = tqdm(units, desc="eval units", dynamic_ncols=True)
-        for u in it:
+        for u in units:
             evaluator.score_unit(model, u, record=record)
+            if bar is not None:
+                bar.step()
     finally:
         model.train(was_training)
+        if bar is not None:
+            bar.close()
 
 
 def record_reference(model: nn.Module, evaluator: Evaluator) -> None:
@@ -77,7 +81,9 @@ def evaluate_model(model: nn.Module, tokenizer, cfg: EvalConfig | None = None, e
     if not tasks:
         mine = [u for u in mine if u.kind != "task"]
     t0 = time.time()
-    run_units(model, evaluator, mine, cfg.progress and dist.rank() == 0, record)
+    run_units(model, evaluator, mine, cfg.progress and dist.rank() == 0, record,
+              stage="evaluation (original model, recording the closeness reference)" if record and cfg.kl
+              else "evaluation" if tasks else "evaluation (perplexity and closeness)")
     sum_across_ranks(evaluator.state())
     evaluator.recorded = evaluator.recorded or (record and cfg.kl)
     out = evaluator.compute(tasks=tasks)

@@ -73,8 +73,12 @@ def software(device: torch.device | None = None) -> dict:
 
 
 def quiet_trainer_factory(device: torch.device | None = None) -> Callable:
-    """One quiet single-process Trainer on ``device``, reused for every pass."""
+    """One single-process Trainer on ``device``, reused for every pass: no logger, checkpoints or model
+    summary; each pass's progress (criterion scores, calibration statistics, …) as a bar on a terminal
+    and a line every 30 s in a log file."""
     import lightning as L
+
+    from ..progress import StageProgress
 
     cache: list = []
     gpu = device is not None and device.type == "cuda"
@@ -83,8 +87,8 @@ def quiet_trainer_factory(device: torch.device | None = None) -> Callable:
         if not cache:
             cache.append(L.Trainer(accelerator="gpu" if gpu else "cpu", devices=[device.index or 0] if gpu else 1,
                                    inference_mode=False, logger=False, enable_checkpointing=False,
-                                   enable_progress_bar=False, enable_model_summary=False,
-                                   use_distributed_sampler=False))
+                                   enable_model_summary=False, use_distributed_sampler=False,
+                                   callbacks=[StageProgress()]))
         return cache[0]
 
     return make
@@ -145,7 +149,9 @@ def reference_file(model: nn.Module, name: str, cfg: EvalConfig, device: torch.d
     with torch.no_grad():
         check = [float(p.double().sum()) for p in list(model.parameters())[:3]] + [sum(p.numel() for p in
                                                                                      model.parameters())]
-    key = json.dumps({"model": name, "weights": check, "eval": asdict(cfg), "device": device.type}, sort_keys=True)
+    # progress bars do not change the reference (kept at the value the caches were first keyed with)
+    settings = {**asdict(cfg), "progress": False}
+    key = json.dumps({"model": name, "weights": check, "eval": settings, "device": device.type}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return assets.cache_root() / "closeness" / f"{model_key(name)}-{digest}.safetensors"
 

@@ -144,7 +144,7 @@ def eval_config(cfg: ReproduceConfig, vocab: int, device: torch.device | None = 
                                    (2048 if vocab > 100_000 else 8192))
     return EvalConfig(tasks=",".join(DEFAULT_TASKS), limit=docs or cfg.docs, sample_seed=cfg.sample_seed,
                       ppl=",".join(cfg.ppl_sets), ppl_seq_len=cfg.seq_len, ppl_max_windows=cfg.ppl_windows,
-                      max_batch_tokens=mbt, progress=False, data_dir=cfg.eval_data_dir, kl=cfg.kl,
+                      max_batch_tokens=mbt, progress=True, data_dir=cfg.eval_data_dir, kl=cfg.kl,
                       kl_docs=cfg.kl_docs, kl_topk=cfg.kl_topk)
 
 
