@@ -23,6 +23,10 @@ from typing import Any, TextIO
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 
 
+def _steps(n) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
 def _hms(seconds: float) -> str:
     s = int(max(seconds, 0))
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
@@ -68,9 +72,9 @@ class _Bar:
         rate = (self.done - self.start) / elapsed if elapsed > 0 else 0.0
         extra = f", {self.extra}" if self.extra else ""
         if final:
-            msg = f"done, {self.done} steps in {_hms(elapsed)} ({rate:.2f} it/s){extra}"
+            msg = f"done, {_steps(self.done)} in {_hms(elapsed)} ({rate:.2f} it/s){extra}"
         elif self.done == self.start:
-            msg = f"{self.total or 'unknown number of'} steps" + (f", from step {self.start}" if self.start else "")
+            msg = _steps(self.total or "unknown number of") + (f", from step {self.start}" if self.start else "")
         else:
             pct = f"{100 * self.done / self.total:.0f}% ({self.done}/{self.total})" if self.total else f"{self.done}"
             eta = f", ETA {_hms((self.total - self.done) / rate)}" if rate and self.total else ""
