@@ -53,14 +53,8 @@ def record_reference(model: nn.Module, evaluator: Evaluator) -> None:
     units = evaluator.units()
     mine = [units[i] for i in RankShard(len(units), dist.rank(), dist.world_size())]
     evaluator.reset(S._param_device(model))
-    was_training = model.training
-    model.eval()
-    try:
-        for u in mine:
-            if u.kind != "task":
-                evaluator.score_unit(model, u, record=True)
-    finally:
-        model.train(was_training)
+    run_units(model, evaluator, [u for u in mine if u.kind != "task"], evaluator.cfg.progress and dist.rank() == 0,
+              record=True, stage="closeness reference (original model)")
     evaluator.recorded = True
 
 
