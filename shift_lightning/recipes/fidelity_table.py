@@ -226,10 +226,6 @@ def _pct(v: float) -> str:
     return "–" if v != v else f"{100 * v:.1f}"
 
 
-def _diff(d: dict, key: str) -> str:
-    return "–" if d[f"{key}_diff"] != d[f"{key}_diff"] else fmt_diff(d, key)
-
-
 def _replaceme_table(doc: dict, cfg: FidelityTableConfig) -> list[str]:
     """Per criterion and calibration text: the repair against the better ReplaceMe fitted on the same text,
     with the paired differences (repair − ReplaceMe) behind the target counts."""
@@ -248,8 +244,8 @@ def _replaceme_table(doc: dict, cfg: FidelityTableConfig) -> list[str]:
         rm = t["replaceme"]
         lines.append(f"| {crit} | {g} | {rm['variant']} | " + " / ".join(f"{rm['kl'][s]:.2f}" for s in sets)
                      + " | " + " / ".join(f"{t['kl'][s]:.2f}" for s in sets)
-                     + f" | {_pct(rm['robust'])} | {_pct(t['robust'])} | {_diff(rm['diff'], 'robust')}"
-                     f" | {_diff(rm['diff'], 'avg')} |")
+                     + f" | {_pct(rm['robust'])} | {_pct(t['robust'])} | {fmt_diff(rm['diff'], 'robust')}"
+                     f" | {fmt_diff(rm['diff'], 'avg')} |")
     return lines
 
 

@@ -28,8 +28,10 @@ def fmt_ci(v, ci, pct: bool = True, digits: int = 1) -> str:
 
 
 def fmt_diff(d: dict, key: str) -> str:
-    """``±x [lo, hi]`` with ↑ / ↓ when the 95 % interval lies above / below 0."""
+    """``±x [lo, hi]`` with ↑ / ↓ when the 95 % interval lies above / below 0; ``–`` when missing."""
     v, (lo, hi) = d[f"{key}_diff"], d[f"{key}_diff_ci"]
+    if v != v:
+        return "–"
     mark = "↑" if lo > 0 else "↓" if hi < 0 else ""
     return f"{100 * v:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]{mark}"
 
