@@ -27,6 +27,14 @@ def _steps(n) -> str:
     return f"{n} step" if n == 1 else f"{n} steps"
 
 
+def _is_tty(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal (False for closed or stream-like objects without ``isatty``)."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def _hms(seconds: float) -> str:
     s = int(max(seconds, 0))
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
@@ -119,12 +127,7 @@ class StageProgress(ProgressBar):
 
     @property
     def tty(self) -> bool:
-        if self._tty is not None:
-            return self._tty
-        try:
-            return self.stream.isatty()
-        except (AttributeError, ValueError):
-            return False
+        return self._tty if self._tty is not None else _is_tty(self.stream)
 
     def _open(self, key: str, name: str, total, done: int = 0) -> None:
         if self._enabled:
@@ -181,12 +184,7 @@ class _Plain:
 
     def __init__(self, interval: float, stream: TextIO | None, tty: bool | None):
         self.interval, self.stream = interval, stream or sys.stderr
-        if tty is None:
-            try:
-                tty = self.stream.isatty()
-            except (AttributeError, ValueError):
-                tty = False
-        self.tty = tty
+        self.tty = tty if tty is not None else _is_tty(self.stream)
 
 
 def stage_bar(name: str, total: int, interval: float = 30.0, stream: TextIO | None = None,

@@ -243,7 +243,7 @@ def test_grid_evaluation_shows_progress_in_a_log_file(capsys):
 
     from shift_lightning.evaluation.runner import EvalConfig, evaluate_model
     from shift_lightning.models import build_tiny_model
-    from shift_lightning.progress import StageProgress, stage_bar
+    from shift_lightning.progress import StageProgress, _Plain, stage_bar
     from shift_lightning.recipes.harness import quiet_trainer_factory
 
     assert any(isinstance(c, StageProgress) for c in quiet_trainer_factory()().callbacks)
@@ -257,10 +257,13 @@ def test_grid_evaluation_shows_progress_in_a_log_file(capsys):
     evaluate_model(model, tok, replace(cfg, progress=False), tasks=False)
     assert capsys.readouterr().err == ""
     log = io.StringIO()
-    bar = stage_bar("scores", 3, interval=0, stream=log, tty=False)
+    bar = stage_bar("scores", 3, interval=0, stream=log)  # a StringIO is not a terminal: plain lines
     for _ in range(3):
         bar.step()
     bar.close()
     lines = log.getvalue().splitlines()
     assert lines[0].endswith("] scores: 3 steps") and re.search(r"\] scores: 33% \(1/3\), [\d.]+ it/s", lines[1])
     assert re.search(r"\] scores: done, 3 steps in 0:00:00", lines[-1]) and len(lines) == 4
+    closed = io.StringIO()
+    closed.close()  # isatty() raises ValueError on a closed stream: not a terminal, no crash
+    assert not StageProgress(stream=closed).tty and not _Plain(0, closed, None).tty
