@@ -273,6 +273,16 @@ def test_domain_comparison_of_two_grids(tmp_path):
     assert line.endswith(f" | {100 * d['avg_diff']:+.1f} [{100 * d['avg_diff_ci'][0]:+.1f}, {100 * d['avg_diff_ci'][1]:+.1f}] |")
     rm_kl = " / ".join(f"{rm_b['kl'][s]:.2f}" for s in table["sets"])
     assert f"| {rm_kl} |" in line and " | – | – | – | " in line  # tiny models: no task above chance, no Robust
+    # the guard beside the repair: its choices per span and its own paired fall below pruning
+    runs["g"] = json.loads((tmp_path / "b" / "tiny" / "reverse_star" / "guarded.json").read_text())
+    boot = Bootstrap(runs, "original", n_boot=50)
+    gd, dg = row["guard"], boot.difference("g", "p")
+    assert gd["chosen"] == [site["guard"]["chosen"] for site in runs["g"]["sites"]] and gd["chosen"]
+    assert gd["vs_pruned"]["avg_diff"] == dg["avg_diff"] and gd["vs_repair"]["avg_diff"] == boot.difference("g", "b")["avg_diff"]
+    assert t["guard_of"] == 1 and (t["guard_harm"] == []) == gd["no_harm"]
+    assert t["guard_where_harm"] == t["harm"] and set(t["guard_removes_harm"]) <= set(t["harm"])
+    assert f"| reverse_star | mixed | {', '.join(gd['chosen'])} | " in md
+    assert "- **mixed**: run under 1 of 2 criteria; significantly below pruning on Avg or Robust under" in md
     # a grid without same-text ReplaceMe rows says so instead of counting "0 of 0"
     (tmp_path / "b" / "tiny" / "reverse_star" / "replaceme.json").unlink()
     out = render_table(FidelityTableConfig(models=["tiny"], grids={"wiki": str(tmp_path / "a"), "mixed": str(tmp_path / "b")},

@@ -14,7 +14,8 @@ three questions a user of a pruning method asks of the repair (``--repair``, the
 * **vs ReplaceMe**: is it closer (every set) and more accurate (Robust) than the better ReplaceMe
   variant fitted on the same text (the one with the lower mean KL)?
 
-and the best Robust of any criterion. Every row is scored on the same docs, so one paired bootstrap
+and the best Robust of any criterion; then, where the do-no-harm guard (``guarded``) ran, whether it removes
+the repair's significant falls below pruning. Every row is scored on the same docs, so one paired bootstrap
 covers both grids. Rows that are missing show as ``…`` and are left out of the counts (the counts
 say out of how many).
 """
@@ -31,6 +32,9 @@ from .tables.common import fmt_ci, fmt_diff, fmt_kl, set_label
 from .tables.paper import REPLACEME, load_runs
 
 log = logging.getLogger(__name__)
+
+#: The do-no-harm guard's variant, summarised beside the repair under each calibration text.
+GUARD = "guarded"
 
 #: The table's columns: (grid, variant, header).
 COLUMNS = (("wiki", "pruned", "pruned"), ("wiki", "lra", "+LRA"), ("wiki", "replaceme", "+ReplaceMe (LS)"),
@@ -52,6 +56,18 @@ class FidelityTableConfig:
     """The repair whose targets are counted (the default solver)."""
     out: str = "results/fidelity"
     n_boot: int = 2000
+
+
+def _guard_summary(boot, named: dict, guard: str, repair: str, pruned: str) -> dict:
+    """The do-no-harm guard's row beside the repair's: what it chose per span and whether it avoids the
+    repair's significant falls below pruning (paired on the same docs)."""
+    run = named[guard]
+    vs_pruned = boot.difference(guard, pruned)
+    return {"chosen": [site.get("guard", {}).get("chosen") for site in run.get("sites", [])],
+            "kl": run["kl"], "closer": all(run["kl"][s] < named[pruned]["kl"][s] for s in run["kl"]),
+            "vs_pruned": vs_pruned,
+            "no_harm": vs_pruned["avg_diff_ci"][1] >= 0 and vs_pruned["robust_diff_ci"][1] >= 0,
+            "vs_repair": boot.difference(guard, repair)}
 
 
 def _mean_kl(run: dict) -> float:
@@ -129,6 +145,9 @@ def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
                 t["replaceme_any_text"] = sorted(anywhere)
                 t["kl_below_replaceme_any_text"] = all(run["kl"][s] < min(named[n]["kl"][s] for n in anywhere)
                                                        for s in run["kl"])
+            guard = f"{g}:{crit}/{GUARD}"
+            if p is not None and guard in named and GUARD != cfg.repair:
+                t["guard"] = _guard_summary(boot, named, guard, name, p)
             row["targets"][g] = t
         rows.append(row)
     targets = {}
@@ -149,7 +168,12 @@ def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
                                                      if t["robust_below_replaceme_significantly"]],
             "replaceme_of": len(with_rm),
             "kl_below_replaceme_any_text": [c for c, t in ts.items() if t.get("kl_below_replaceme_any_text")],
-            "replaceme_any_text_of": sum("replaceme_any_text" in t for t in ts.values())}
+            "replaceme_any_text_of": sum("replaceme_any_text" in t for t in ts.values()),
+            "guard_of": sum("guard" in t for t in ts.values()),
+            "guard_harm": [c for c, t in ts.items() if "guard" in t and not t["guard"]["no_harm"]],
+            "guard_removes_harm": [c for c, t in with_p.items() if not t["no_harm"] and "guard" in t
+                                   and t["guard"]["no_harm"]],
+            "guard_where_harm": [c for c, t in with_p.items() if not t["no_harm"] and "guard" in t]}
     sets = next((list(r["kl"]) for n, r in named.items() if n != "original"), [])
     return {"model": model, "sets": sets, "rows": rows, "targets": targets, "bootstrap": boot.meta()}
 
@@ -219,6 +243,7 @@ def markdown(docs: list[dict], cfg: FidelityTableConfig) -> str:
                 + f"lower KL on every set than any ReplaceMe row (either variant, either text) under "
                 f"{len(t['kl_below_replaceme_any_text'])} of {t['replaceme_any_text_of']}.")
         lines += _replaceme_table(doc, cfg)
+        lines += _guard_table(doc, cfg)
     return "\n".join(lines) + "\n"
 
 
@@ -246,6 +271,42 @@ def _replaceme_table(doc: dict, cfg: FidelityTableConfig) -> list[str]:
                      + " | " + " / ".join(f"{t['kl'][s]:.2f}" for s in sets)
                      + f" | {_pct(rm['robust'])} | {_pct(t['robust'])} | {fmt_diff(rm['diff'], 'robust')}"
                      f" | {fmt_diff(rm['diff'], 'avg')} |")
+    return lines
+
+
+def _guard_table(doc: dict, cfg: FidelityTableConfig) -> list[str]:
+    """Per criterion and calibration text where the guard ran: its choices per span, its KL beside the
+    repair's, and its paired differences from pruning alone (does it remove the repair's falls?)."""
+    sets = doc["sets"]
+    rows = [(r["criterion"], g, r["targets"][g]) for g in cfg.grids for r in doc["rows"]
+            if "guard" in r["targets"].get(g, {})]
+    if not rows:
+        return []
+    kl = " / ".join(set_label(s) for s in sets)
+    lines = ["", f"The do-no-harm guard (`{GUARD}`: per span, the candidate whose pruned model is closest to the "
+             "original on held-out calibration windows) against pruning alone, where it ran "
+             "(paired 95 % bootstrap; ↑ / ↓ as above):", ""]
+    for g, t in doc["targets"].items():
+        if not t["guard_of"]:
+            continue
+        where = t["guard_where_harm"]
+        lines.append(f"- **{g}**: run under {t['guard_of']} of {len(cfg.criteria)} criteria; significantly below "
+                     f"pruning on Avg or Robust under {len(t['guard_harm'])} of {t['guard_of']}"
+                     + (f" ({', '.join(t['guard_harm'])})" if t["guard_harm"] else "")
+                     + (f"; of the {len(where)} where `{cfg.repair}` is ({', '.join(where)}), it removes the fall "
+                        f"under {len(t['guard_removes_harm'])}" if where else
+                        f"; `{cfg.repair}` is significantly below pruning under none of these")
+                     + ".")
+    lines += ["", f"| criterion | text | chosen per span | KL {kl}: {GUARD} | KL: {cfg.repair} | "
+              f"Avg {GUARD} − pruned | Robust {GUARD} − pruned | Avg {GUARD} − {cfg.repair} |",
+              "|---|---|---|---:|---:|---:|---:|---:|"]
+    for crit, g, t in rows:
+        gd = t["guard"]
+        lines.append(f"| {crit} | {g} | {', '.join(str(c) for c in gd['chosen']) or '–'} | "
+                     + " / ".join(f"{gd['kl'][s]:.2f}" for s in sets) + " | "
+                     + " / ".join(f"{t['kl'][s]:.2f}" for s in sets)
+                     + f" | {fmt_diff(gd['vs_pruned'], 'avg')} | {fmt_diff(gd['vs_pruned'], 'robust')}"
+                     f" | {fmt_diff(gd['vs_repair'], 'avg')} |")
     return lines
 
 
