@@ -285,7 +285,7 @@ def _guard_table(doc: dict, cfg: FidelityTableConfig) -> list[str]:
     kl = " / ".join(set_label(s) for s in sets)
     lines = ["", f"The do-no-harm guard (`{GUARD}`: per span, the candidate whose pruned model is closest to the "
              "original on held-out calibration windows) against pruning alone, where it ran "
-             "(paired 95 % bootstrap; ↑ / ↓ as above):", ""]
+             "(paired 95 % bootstrap; ↑ / ↓: the interval lies above / below 0):", ""]
     for g, t in doc["targets"].items():
         if not t["guard_of"]:
             continue
