@@ -38,7 +38,7 @@ GUARD = "guarded"
 
 #: The table's columns: (grid, variant, header).
 COLUMNS = (("wiki", "pruned", "pruned"), ("wiki", "lra", "+LRA"), ("wiki", "replaceme", "+ReplaceMe (LS)"),
-           ("wiki", "replaceme_cosine", "+ReplaceMe (cosine)"), ("wiki", "guarded", "+guarded"),
+           ("wiki", "replaceme_cosine", "+ReplaceMe (cosine)"), ("wiki", GUARD, "+guarded"),
            ("mixed", "lra", "+LRA, mixed calib."), ("mixed", "replaceme", "+ReplaceMe (LS), mixed calib."))
 
 
@@ -58,16 +58,21 @@ class FidelityTableConfig:
     n_boot: int = 2000
 
 
+def _against_pruned(boot, named: dict, name: str, pruned: str) -> dict:
+    """Is ``name`` closer than pruning alone on every set, and never significantly below it on Avg or
+    Robust (paired on the same docs)?"""
+    vs_pruned = boot.difference(name, pruned)
+    return {"closer": all(named[name]["kl"][s] < named[pruned]["kl"][s] for s in named[name]["kl"]),
+            "vs_pruned": vs_pruned,
+            "no_harm": vs_pruned["avg_diff_ci"][1] >= 0 and vs_pruned["robust_diff_ci"][1] >= 0}
+
+
 def _guard_summary(boot, named: dict, guard: str, repair: str, pruned: str) -> dict:
     """The do-no-harm guard's row beside the repair's: what it chose per span and whether it avoids the
-    repair's significant falls below pruning (paired on the same docs)."""
+    repair's significant falls below pruning."""
     run = named[guard]
-    vs_pruned = boot.difference(guard, pruned)
-    return {"chosen": [site.get("guard", {}).get("chosen") for site in run.get("sites", [])],
-            "kl": run["kl"], "closer": all(run["kl"][s] < named[pruned]["kl"][s] for s in run["kl"]),
-            "vs_pruned": vs_pruned,
-            "no_harm": vs_pruned["avg_diff_ci"][1] >= 0 and vs_pruned["robust_diff_ci"][1] >= 0,
-            "vs_repair": boot.difference(guard, repair)}
+    return {"chosen": [site.get("guard", {}).get("chosen") for site in run.get("sites", [])], "kl": run["kl"],
+            **_against_pruned(boot, named, guard, pruned), "vs_repair": boot.difference(guard, repair)}
 
 
 def _mean_kl(run: dict) -> float:
@@ -128,9 +133,7 @@ def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
             t = {"kl": run["kl"], **boot.summary(name)}
             if p is not None:
                 t["kl_pruned"] = named[p]["kl"]
-                t["closer"] = all(run["kl"][s] < named[p]["kl"][s] for s in run["kl"])
-                t["vs_pruned"] = boot.difference(name, p)
-                t["no_harm"] = t["vs_pruned"]["avg_diff_ci"][1] >= 0 and t["vs_pruned"]["robust_diff_ci"][1] >= 0
+                t.update(_against_pruned(boot, named, name, p))
                 t["largest_task_drop"] = _largest_drop(run, named[p], named["original"])
             peers = [f"{g}:{crit}/{m}" for m in REPLACEME if f"{g}:{crit}/{m}" in named]
             if peers:
