@@ -337,3 +337,32 @@ def test_a_criterion_with_the_same_blocks_reuses_the_run_and_recomputing_it_give
     for key in ("kl", "top1", "perplexity", "average"):
         assert fresh[key] == reused[key], key
     assert [d["per_doc"] for d in fresh["tasks"].values()] == [d["per_doc"] for d in reused["tasks"].values()]
+
+
+def test_an_older_run_gets_closeness_rebuilt_or_copied_from_a_criterion_with_the_same_blocks(tmp_path):
+    """A run file made before closeness existed: the model is rebuilt and its closeness added (the same
+    numbers a fresh run records); another criterion's run on the same blocks copies it, after checking
+    the two runs' perplexities agree, and says where from."""
+    from shift_lightning.recipes.harness import RunFolder
+    from shift_lightning.recipes.reproduce import _reuse_closeness, run
+
+    cfg = _tiny_grid(tmp_path, criteria=["reverse_star"], variants=["pruned", "lra"], out=str(tmp_path / "a"))
+    runs = RunFolder(run(cfg))
+    fresh = runs.read("reverse_star/lra")
+    older = {k: v for k, v in fresh.items() if k not in ("kl", "top1", "fidelity")}
+    (runs.folder / "block_influence").mkdir()
+    (runs.folder / "block_influence" / "selection.json").write_text((runs.folder / "reverse_star" / "selection.json").read_text())
+    runs.write("reverse_star/lra", older)
+    runs.write("block_influence/lra", {**older, "criterion": "block_influence"})
+    run(_tiny_grid(tmp_path, criteria=["reverse_star", "block_influence"], variants=["pruned", "lra"],
+                   fill="closeness", out=str(tmp_path / "a")))
+    rebuilt, copied = runs.read("reverse_star/lra"), runs.read("block_influence/lra")
+    assert rebuilt["kl"] == fresh["kl"] and rebuilt["top1"] == fresh["top1"] and rebuilt["closeness_added"]["seconds"] > 0
+    assert copied["closeness_added"]["copied_from"] == "reverse_star/lra" and copied["closeness_added"]["max_ppl_rel_diff"] == 0
+    assert (copied["kl"], copied["fidelity"]) == (fresh["kl"], fresh["fidelity"])
+    # a run whose perplexity disagrees is not the same model: nothing copied
+    other = {**older, "criterion": "block_influence"}
+    other["perplexity"] = {p: {**e, "ppl": 1.01 * e["ppl"]} for p, e in older["perplexity"].items()}
+    runs.write("block_influence/lra", other)
+    assert not _reuse_closeness(cfg, runs, "block_influence", sorted(older["pruned_layers"]), "lra")
+    assert "kl" not in runs.read("block_influence/lra")

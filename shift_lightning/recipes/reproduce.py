@@ -15,7 +15,7 @@ prompts; the original's distributions are recorded once per process). Each run w
 ``<out>/<model>/<criterion>/<variant>.json`` (``original.json`` for the unpruned model) and is skipped
 when that file exists (or copied, ``reused_from``, from a criterion that removed the same blocks
 with the same settings); a run file made before closeness was measured gets it added (the model is
-rebuilt and its perplexity must match the stored one). Every criterion's blocks are cached in
+rebuilt and its perplexity must match the stored one; or copied from such a criterion's run). Every criterion's blocks are cached in
 ``<criterion>/selection.json``. All variants of a criterion come from ONE calibration pass on the
 same windows, and share every block before the first pruning site (run once for all variants,
 :class:`~shift_lightning.evaluation.trunk.TrunkCache`; no number changes). Tables are rendered after
@@ -193,6 +193,13 @@ def run(cfg: ReproduceConfig) -> Path:
         new = [] if cfg.fill == "closeness" else runs.pending([f"{crit}/{v}" for v in cfg.variants])
         old = [f"{crit}/{v}" for v in cfg.variants if runs.done(f"{crit}/{v}")
                and needs_closeness(cfg, runs.read(f"{crit}/{v}"))]
+        copied = []
+        if old and cfg.reuse:
+            layers = sorted(runs.read(f"{crit}/selection")["layers"])
+            copied = [n for n in old if _reuse_closeness(cfg, runs, crit, layers, n.split("/")[1])]
+            old = [n for n in old if n not in copied]
+        if copied and not (new or old):
+            render(folder, cfg)
         if new or old:
             layers = _selection(cfg, ctx, runs, crit)
             new = [n for n in new if not (cfg.reuse and _reuse(cfg, runs, crit, layers, n.split("/")[1]))]
@@ -235,6 +242,41 @@ def _reuse(cfg: ReproduceConfig, runs: harness.RunFolder, crit: str, layers: lis
             continue
         runs.write(f"{crit}/{variant}", {**doc, "criterion": crit, "reused_from": doc.get("reused_from", name)})
         log.info("%s %s/%s: the same blocks %s as %s, run reused", cfg.model, crit, variant, layers, name)
+        return True
+    return False
+
+
+def _reuse_closeness(cfg: ReproduceConfig, runs: harness.RunFolder, crit: str, layers: list[int],
+                     variant: str) -> bool:
+    """Closeness for an older run, copied from another criterion's run of ``variant`` on the same blocks
+    with the same settings that has it (``closeness_added.copied_from`` names it); both runs' stored
+    perplexities must agree to 1e-3, the check :func:`harness.add_closeness` makes on a rebuilt model.
+    Returns whether closeness was copied."""
+    doc = runs.read(f"{crit}/{variant}")
+    if not _same_settings(cfg, doc):
+        return False
+    for other in CRITERIA_ORDER:
+        name = f"{other}/{variant}"
+        if other == crit or not runs.done(f"{other}/selection") or not runs.done(name):
+            continue
+        if sorted(runs.read(f"{other}/selection")["layers"]) != layers:
+            continue
+        src = runs.read(name)
+        if "fidelity" not in src or not _same_settings(cfg, src):
+            continue
+        check = {p: [doc["perplexity"][p]["ppl"], e["ppl"]] for p, e in src["perplexity"].items()
+                 if p in doc["perplexity"]}
+        worst = max((abs(b - a) / abs(a) for a, b in check.values()), default=float("inf"))
+        if worst > 1e-3:
+            log.warning("%s/%s and %s remove the same blocks but their perplexities differ by %.2g: closeness "
+                        "not copied", crit, variant, name, worst)
+            continue
+        root = (src.get("closeness_added") or {}).get("copied_from", name)
+        doc.update(kl=src["kl"], top1=src["top1"], fidelity=src["fidelity"])
+        doc["closeness_added"] = {"eval": {k: getattr(cfg, k) for k in ("kl_docs", "kl_topk")},
+                                  "copied_from": root, "ppl_check": check, "max_ppl_rel_diff": worst}
+        runs.write(f"{crit}/{variant}", doc)
+        log.info("%s %s/%s: the same blocks %s as %s, its closeness copied", cfg.model, crit, variant, layers, root)
         return True
     return False
 
