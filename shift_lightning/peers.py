@@ -28,7 +28,10 @@ entering block ``s`` and ``Δ = h_e − x`` what the span added to the residual 
   into a weight (``d²`` parameters, an affine adapter without bias, ``A = Pᵀ = P``). Our Hadamard
   matrices come from Sylvester and Paley constructions (:func:`hadamard`); the reference uses
   QuIP#'s stored matrices — any normalised Hadamard matrix is a valid ``H``, but ``D`` and hence
-  ``P`` depend on which one, so numbers are close to, not identical with, the reference's.
+  ``P`` depend on which one, so numbers are close to, not identical with, the reference's. Every
+  entry of ``H`` is ``±1/√d``, so on a residual stream whose energy sits in a few massive channels a
+  non-uniform ``D`` writes a share of those channels into every other one
+  (``benchmarks/linearpatch_check.py`` measures it on the grid's spans).
 """
 
 from __future__ import annotations
