@@ -15,8 +15,8 @@ prompts; the original's distributions are recorded once per process). Each run w
 ``<out>/<model>/<criterion>/<variant>.json`` (``original.json`` for the unpruned model) and is skipped
 when that file exists (or copied, ``reused_from``, from a criterion that removed the same blocks
 with the same settings); a run file made before closeness was measured gets it added (the model is
-rebuilt and its perplexity must match the stored one; or copied from such a criterion's run). Every criterion's blocks are cached in
-``<criterion>/selection.json``. All variants of a criterion come from ONE calibration pass on the
+rebuilt and its perplexity must match the stored one), or copied from such a criterion's run
+(``closeness_added.copied_from``). Every criterion's blocks are cached in ``<criterion>/selection.json``. All variants of a criterion come from ONE calibration pass on the
 same windows, and share every block before the first pruning site (run once for all variants,
 :class:`~shift_lightning.evaluation.trunk.TrunkCache`; no number changes). Tables are rendered after
 each run (:mod:`~shift_lightning.recipes.tables.paper`).
@@ -194,7 +194,7 @@ def run(cfg: ReproduceConfig) -> Path:
         old = [f"{crit}/{v}" for v in cfg.variants if runs.done(f"{crit}/{v}")
                and needs_closeness(cfg, runs.read(f"{crit}/{v}"))]
         copied = []
-        if old and cfg.reuse:
+        if old and cfg.reuse and runs.done(f"{crit}/selection"):
             layers = sorted(runs.read(f"{crit}/selection")["layers"])
             copied = [n for n in old if _reuse_closeness(cfg, runs, crit, layers, n.split("/")[1])]
             old = [n for n in old if n not in copied]
