@@ -31,20 +31,11 @@ import _common as C
 import torch  # noqa: E402
 
 from shift_lightning.arch import block_input, block_output, decoder_layers, final_norm, with_block_input, with_block_output  # noqa: E402
+from shift_lightning.calibration.sites import contiguous_spans  # noqa: E402
 from shift_lightning.data import TextDataConfig, build_windows  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
 from shift_lightning.peers import ChannelScaleStats, hadamard, linearpatch_matrix  # noqa: E402
 from shift_lightning.surgery import remove_blocks  # noqa: E402
-
-
-def spans_of(layers: list[int]) -> list[tuple[int, int]]:
-    out = []
-    for i in sorted(layers):
-        if out and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1)
-        else:
-            out.append((i, i + 1))
-    return out
 
 
 def capture(model, idx: list[int]):
@@ -86,7 +77,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     t0 = time.time()
     layers = json.loads((C.ROOT / a.grid / a.model / a.criterion / "selection.json").read_text())["layers"]
-    spans = spans_of(layers)
+    spans = contiguous_spans(layers)
     model, tok = C.build_model(a.model, torch.device("cpu"))
     mt = model.config.model_type
     cal = build_windows(TextDataConfig(source="wiki_summaries", split="calibration", num_samples=a.calib_samples,

@@ -228,16 +228,19 @@ def _same_settings(cfg: ReproduceConfig, doc: dict) -> bool:
     return mine == theirs
 
 
+def _same_blocks(runs: harness.RunFolder, crit: str, layers: list[int], variant: str):
+    """``(name, doc)`` of every other criterion's finished ``variant`` run that removed ``layers``."""
+    for other in CRITERIA_ORDER:
+        name = f"{other}/{variant}"
+        if other != crit and runs.done(f"{other}/selection") and runs.done(name) \
+                and sorted(runs.read(f"{other}/selection")["layers"]) == layers:
+            yield name, runs.read(name)
+
+
 def _reuse(cfg: ReproduceConfig, runs: harness.RunFolder, crit: str, layers: list[int], variant: str) -> bool:
     """Copy ``variant`` from another criterion of this folder that removed the same blocks with the same
     settings (and has closeness when this grid measures it); returns whether a run was reused."""
-    for other in CRITERIA_ORDER:
-        name = f"{other}/{variant}"
-        if other == crit or not runs.done(f"{other}/selection") or not runs.done(name):
-            continue
-        if sorted(runs.read(f"{other}/selection")["layers"]) != layers:
-            continue
-        doc = runs.read(name)
+    for name, doc in _same_blocks(runs, crit, layers, variant):
         if not _same_settings(cfg, doc) or (cfg.kl and "fidelity" not in doc):
             continue
         runs.write(f"{crit}/{variant}", {**doc, "criterion": crit, "reused_from": doc.get("reused_from", name)})
@@ -255,13 +258,7 @@ def _reuse_closeness(cfg: ReproduceConfig, runs: harness.RunFolder, crit: str, l
     doc = runs.read(f"{crit}/{variant}")
     if not _same_settings(cfg, doc):
         return False
-    for other in CRITERIA_ORDER:
-        name = f"{other}/{variant}"
-        if other == crit or not runs.done(f"{other}/selection") or not runs.done(name):
-            continue
-        if sorted(runs.read(f"{other}/selection")["layers"]) != layers:
-            continue
-        src = runs.read(name)
+    for name, src in _same_blocks(runs, crit, layers, variant):
         if "fidelity" not in src or not _same_settings(cfg, src):
             continue
         check = {p: [doc["perplexity"][p]["ppl"], e["ppl"]] for p, e in src["perplexity"].items()
