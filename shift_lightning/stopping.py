@@ -8,7 +8,9 @@ stopping differently, or is dead. The entry points run inside :func:`guarded`, w
 * a SIGINT handler that raises ``KeyboardInterrupt`` like Python's own, except inside a
   *critical section* (:func:`enter_critical` / :func:`leave_critical`: from a model update to the
   step counter that records it, where a stop checkpoint could not be resumed exactly); there the
-  interrupt is raised when the section ends;
+  interrupt is raised when the section ends. A caller that ignores SIGINT keeps ignoring it (a
+  shell starts a background job, ``nohup python train.py … &`` in a script, with SIGINT ignored so
+  that a Ctrl-C meant for the foreground does not stop it);
 * a watcher thread that sees every SIGINT / SIGTERM through the signal wake-up fd, also while the
   main thread is blocked in a collective: if the process is still alive ``grace`` seconds after
   the first (``SHIFT_LIGHTNING_STOP_GRACE``, default 60), it exits by force (status 130 / 143);
@@ -50,6 +52,7 @@ class _State:
         self.pending = False
         self.handled: int | None = None  # the signal the main thread took first
         self.timer: threading.Timer | None = None
+        self.sigint_ignored = False  # the caller ignores SIGINT: leave it so
 
 
 _state = _State()
@@ -136,7 +139,7 @@ def armed() -> bool:
 
 def rearm() -> None:
     """Take Ctrl-C again (Lightning ignores it during its shutdown): a second one then exits at once."""
-    if _state.active and threading.current_thread() is threading.main_thread():
+    if _state.active and not _state.sigint_ignored and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)
 
 
@@ -186,8 +189,10 @@ def guarded() -> Iterator[None]:
     r, w = socket.socketpair()
     w.setblocking(False)
     old_fd = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
-    signal.signal(signal.SIGINT, _on_sigint)
     _state.__init__()
+    _state.sigint_ignored = old_handler is signal.SIG_IGN
+    if not _state.sigint_ignored:
+        signal.signal(signal.SIGINT, _on_sigint)
     _state.active = True
     stop = threading.Event()
     threading.Thread(target=_watch_signals, args=(r, stop), name="shift-signal-watch", daemon=True).start()

@@ -399,7 +399,22 @@ def _ddp(script: str, args: list[str], log: Path) -> subprocess.Popen:
            "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, str(ROOT / script), *args, "--trainer.devices", "2",
                              "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"], cwd=ROOT, env=env,
-                            stdout=open(log.with_suffix(".out"), "w"), stderr=open(log, "w"), start_new_session=True)
+                            stdout=open(log.with_suffix(".out"), "w"), stderr=open(log, "w"), start_new_session=True,
+                            preexec_fn=_sigint_default)
+
+
+def _sigint_default() -> None:
+    # A run launched from a background job (`nohup pytest … &`) inherits SIGINT ignored, and keeps it
+    # ignored (stopping.guarded); these runs stand for one started in a terminal.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def ctrl_c_reaches_python():
+    """Python's own Ctrl-C handler for the test (under `nohup … &` the caller ignores SIGINT)."""
+    prior = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, prior)
 
 
 def _cmdline(pid: int) -> str:
@@ -493,8 +508,7 @@ class _suppress:
         return exc[0] is None or issubclass(exc[0], OSError)
 
 
-def test_ctrl_c_held_back_during_the_update_then_raised(monkeypatch):
-    before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN under a background `nohup … &`
+def test_ctrl_c_held_back_during_the_update_then_raised(ctrl_c_reaches_python):
     with stopping.guarded():
         stopping.enter_critical()
         signal.raise_signal(signal.SIGINT)  # arrives during the update: held back
@@ -505,10 +519,27 @@ def test_ctrl_c_held_back_during_the_update_then_raised(monkeypatch):
             time.sleep(0.01)
         assert stopping.armed()
         stopping.disarm()
-    assert signal.getsignal(signal.SIGINT) is before  # the caller's handler is back
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the caller's handler is back
 
 
-def test_ctrl_c_during_calibration_is_one_line_and_status_130(tmp_path, monkeypatch, capsys):
+def test_a_run_started_with_ctrl_c_ignored_keeps_ignoring_it():
+    """A script's background job (`nohup python train.py … &`) starts with SIGINT ignored, so that a
+    Ctrl-C for the foreground leaves it running; the guard must not take SIGINT back."""
+    prior = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with stopping.guarded():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)  # ignored: nothing raised, nothing armed
+            time.sleep(0.3)
+            assert not stopping.interrupted() and not stopping.armed()
+            stopping.rearm()  # after Lightning's shutdown: still ignored
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, prior)
+
+
+def test_ctrl_c_during_calibration_is_one_line_and_status_130(tmp_path, monkeypatch, capsys, ctrl_c_reaches_python):
     from shift_lightning import passes
 
     def ctrl_c(self, batch, batch_idx):
