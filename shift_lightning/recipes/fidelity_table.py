@@ -39,7 +39,8 @@ GUARD = "guarded"
 #: The table's columns: (grid, variant, header).
 COLUMNS = (("wiki", "pruned", "pruned"), ("wiki", "lra", "+LRA"), ("wiki", "replaceme", "+ReplaceMe (LS)"),
            ("wiki", "replaceme_cosine", "+ReplaceMe (cosine)"), ("wiki", GUARD, "+guarded"),
-           ("mixed", "lra", "+LRA, mixed calib."), ("mixed", "replaceme", "+ReplaceMe (LS), mixed calib."))
+           ("mixed", "lra", "+LRA, mixed calib."), ("mixed", "replaceme", "+ReplaceMe (LS), mixed calib."),
+           ("mixed", "replaceme_cosine", "+ReplaceMe (cosine), mixed calib."), ("mixed", GUARD, "+guarded, mixed calib."))
 
 
 @dataclass
