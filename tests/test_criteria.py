@@ -236,6 +236,9 @@ def test_errors(tiny, windows):
             select_blocks(PruneConfig(criterion=name), model, None)
     with pytest.raises(CriterionError, match="guards"):
         select_blocks(PruneConfig(criterion="magnitude_l1", ratio=0.5, keep_first=3, keep_last=1), model)
+    for guard in ({"keep_first": -1}, {"keep_last": -2}, {"keep_first": 1.5}):  # once clamped to 0 / cut silently
+        with pytest.raises(CriterionError, match=f"--prune.{next(iter(guard))} must be a whole number of blocks >= 0"):
+            select_blocks(PruneConfig(criterion="reverse", **guard), model)
     with pytest.raises(CriterionError, match="angular_tokens"):
         select_blocks(PruneConfig(criterion="angular", angular_tokens="first"), model, windows)
     with pytest.raises(CriterionError, match="every block"):

@@ -183,6 +183,10 @@ def plan_removal(cfg: PruneConfig, num_layers: int) -> Plan:
     """Validate ``cfg`` against the model depth: criterion name, ratio, guards."""
     if cfg.criterion not in CRITERIA:
         raise CriterionError(f"Unknown criterion {cfg.criterion!r}; valid choices: {', '.join(CRITERIA)}")
+    for name in ("keep_first", "keep_last"):
+        v = getattr(cfg, name)
+        if not isinstance(v, bool) and (not isinstance(v, int) or v < 0):
+            raise CriterionError(f"--prune.{name} must be a whole number of blocks >= 0 (0 = off), got {v!r}")
     k = num_to_remove(num_layers, cfg.ratio)
     allowed = candidates(num_layers, cfg)
     if k > len(allowed):
