@@ -16,6 +16,7 @@ from torch.testing import assert_close
 from shift_lightning import load_pretrained
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.criteria import CriterionError, PruneConfig
+from shift_lightning.errors import ConfigError
 from shift_lightning.data import DataError, TextDataConfig, TokenWindows, build_windows
 from shift_lightning.models import ModelConfig, build_tiny_model, decoder_layers
 from shift_lightning.outputs import OutputExistsError
@@ -222,6 +223,36 @@ def test_bad_data_and_numerics(tmp_path):
         run_calibration(built=(model, tok), data=TextDataConfig(source=CORPUS, num_samples=4, seq_len=32),
                         heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[1, 2]),
                         trainer={"accelerator": "cpu", "enable_progress_bar": False})
+
+
+def test_adapter_rank_is_checked_against_the_hidden_size(tiny64, tmp_path, caplog):
+    """rank > d: refused before any pass, naming the fix; d/2 <= rank < d: a warning (no smaller than
+    full rank); rank = d: the full-rank fit."""
+    model, tok = tiny64
+    d = model.config.hidden_size
+    with pytest.raises(ConfigError, match=rf"rank {d + 1} exceeds the model's hidden size d = {d}.*null for full rank"):
+        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(rank=d + 1))
+    with pytest.raises(ConfigError, match=rf"guard_ranks \[{d + 5}\] exceed"):
+        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="guarded", guard_ranks=[4, d + 5]))
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="exceeds the model's hidden size"):  # early: no pass, no folder
+        run_calibration(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
+                        prune=PruneConfig(ratio=0.5, criterion="angular"), calibration=CalibrationConfig(rank=10_000),
+                        output_dir=str(out))
+    assert not out.exists()
+    win = _windows(tok)
+    with caplog.at_level("WARNING", logger="shift_lightning.calibration.config"):
+        half = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(rank=d // 2, damping=1e-3))
+    assert "no smaller than the full-rank one" in caplog.text
+    caplog.clear()
+    full = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(rank=d, damping=1e-3))
+    assert caplog.text == ""
+    ref = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(damping=1e-3))
+    for mod in (half, full, ref):
+        mod.calibrate(_trainer(), win)
+    assert half.solution(half.sites[0]).U.shape == (d, d // 2)
+    assert full.solution(full.sites[0]).U is None
+    assert_close(full.solution(full.sites[0]).W, ref.solution(ref.sites[0]).W)
 
 
 def _cli(*args, world=1, env_extra=None):

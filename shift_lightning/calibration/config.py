@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: The registered solvers (:mod:`shift_lightning.calibration.solvers`), as the config's choices.
 #: ``tests/test_structure.py`` checks that this list and the registry agree.
@@ -33,7 +36,8 @@ class CalibrationConfig:
     granularity: Literal["block", "span"] = "block"
     """``block``: one map per removed block (merged afterwards); ``span``: one per contiguous run."""
     rank: int | None = None
-    """Adapter rank r (W = UVᵀ, 2dr + d parameters, optimal reduced-rank fit); None = full rank."""
+    """Adapter rank r (W = UVᵀ, 2dr + d parameters, optimal reduced-rank fit); None (or r = d) = full
+    rank. r > d is refused once the model is loaded; r ≥ d/2 warns (no fewer parameters than full rank)."""
     damping: float = 1e-4
     """Relative ridge damping: λ = damping · mean(diag(XcᵀXc))."""
     merge: bool = True
@@ -71,6 +75,24 @@ class CalibrationConfig:
     def ridge_path(self) -> list[float]:
         """``guarded``: the relative dampings of the LRA candidates."""
         return list(self.guard_path) if self.guard_path is not None else [self.damping, 1e-2, 1.0, 100.0]
+
+    def check_dim(self, dim: int, warn: bool = True) -> None:
+        """Checks that need the model's hidden size ``d`` (once it is loaded, before any pass):
+        ``rank > d`` is refused (no rank-r factorisation of a d × d map exists); ``d/2 ≤ rank < d`` is
+        allowed with a warning, since the factors ``U, V`` then hold 2dr ≥ d² parameters, as many as or
+        more than the full-rank W (``warn``); ``rank = d`` is the full-rank fit."""
+        if self.rank is not None and self.rank > dim:
+            raise ConfigError(f"--calibration.rank {self.rank} exceeds the model's hidden size d = {dim}; "
+                              f"use a rank below {dim} for a low-rank adapter, or null for full rank")
+        if warn and self.rank is not None and 2 * self.rank >= dim and self.rank < dim:
+            log.warning("--calibration.rank %d is at least half the hidden size d = %d: the low-rank adapter "
+                        "(2dr + d = %d parameters) is no smaller than the full-rank one (d² + d = %d); use "
+                        "r < %d to save parameters, or null for full rank", self.rank, dim,
+                        2 * dim * self.rank + dim, dim * dim + dim, (dim + 1) // 2)
+        bad = [r for r in self.guard_ranks or [] if r > dim]
+        if bad:
+            raise ConfigError(f"--calibration.guard_ranks {bad} exceed the model's hidden size d = {dim}; "
+                              f"ranks must be at most {dim} (a rank of {dim} is the full-rank LRA, already a candidate)")
 
     def validate(self) -> None:
         """Cheap checks (before any model is loaded); the solver checks its own options."""

@@ -74,6 +74,7 @@ class CalibrationModule(DataPass):
         self.removed = sorted(removed)
         self.num_layers = len(decoder_layers(model))  # the original depth (the model may be pruned later)
         self.dim = model.config.hidden_size
+        cfg.check_dim(self.dim)
         self.spans = span_sites(self.removed)
         per_span_only = all(s.per_span for s in self.solvers.values())  # peers only: their sites are the spans
         self.sites = self.spans if cfg.granularity == "span" or per_span_only else make_sites(self.removed, "block")

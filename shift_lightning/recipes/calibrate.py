@@ -161,6 +161,7 @@ def run_calibration(
     heldout_windows = build_windows(heldout, tokenizer, model_type, "--heldout") \
         if (calibration.heldout and heldout.num_samples > 0) else None
     check_windows(lm, windows, "--data")  # before any pass
+    calibration.check_dim(lm.config.hidden_size, warn=False)  # errors now; the module warns
     if heldout_windows is not None:
         check_windows(lm, heldout_windows, "--heldout", fitting=False)
     if evaluate is not None and evaluate.ppl:
