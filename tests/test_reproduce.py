@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shift_lightning.calibration import CalibrationConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -206,6 +208,17 @@ def test_fidelity_sweep_reuses_the_grid_and_plots_kl_against_blocks_removed(tmp_
     one = next(p for p in doc["points"] if p["criterion"] == "reverse_star" and p["ratio"] == 0.125)
     assert one["blocks_removed"] == 1 and set(one["kl"]) == {grid.ppl_sets[0], "tasks"}
     assert (tmp_path / "sweep" / "tiny.png").exists() and "| linear_fit | 0.25 | 2 |" in (tmp_path / "sweep" / "tiny.md").read_text()
+    # the guard's choice per span, from the sweep's runs and from the grid's reused run alike
+    allowed = {"none", "nobias", "replaceme"} | {f"lra@{x:g}" for x in CalibrationConfig(damping=grid.damping).ridge_path()}
+    for p in doc["points"]:
+        assert (p["repair"] != "pruned") == bool(p["maps"]) and set(p["maps"]) <= allowed | {"lra"}
+        if p["repair"] == "guarded":
+            assert len(p["maps"]) >= 1 and set(p["maps"]) <= allowed
+    md = (tmp_path / "sweep" / "tiny.md").read_text().splitlines()
+    assert md[4].endswith("| guard's maps |")
+    reused = next(p for p in doc["points"] if p["criterion"] == "reverse_star" and p["ratio"] == 0.25
+                  and p["repair"] == "guarded")
+    assert next(r for r in md if r.startswith("| reverse_star | 0.25 |")).endswith(f"| {', '.join(reused['maps'])} |")
 
 
 def test_domain_comparison_of_two_grids(tmp_path):

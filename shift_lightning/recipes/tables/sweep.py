@@ -12,6 +12,13 @@ from .common import fmt_kl, set_label
 from .paper import LABELS
 
 
+def maps_of(run: dict) -> list[str]:
+    """The map per span of a run: the sweep's ``maps``, or the paper grid's per-site ``map``."""
+    if "maps" in run:
+        return list(run["maps"])
+    return [site["map"] for site in run.get("sites", []) if site.get("map")]
+
+
 def points(folder: Path, cfg) -> list[dict]:
     """Every measured (criterion, ratio, repair): blocks removed, KL and top-1 per set."""
     g = cfg.grid
@@ -29,7 +36,7 @@ def points(folder: Path, cfg) -> list[dict]:
                 if "kl" not in d:
                     continue
                 out.append({"criterion": crit, "ratio": ratio, "repair": r, "blocks_removed": len(d["pruned_layers"]),
-                            "pruned_layers": d["pruned_layers"], "kl": d["kl"], "top1": d["top1"],
+                            "pruned_layers": d["pruned_layers"], "maps": maps_of(d), "kl": d["kl"], "top1": d["top1"],
                             "kl_ci": {k: e.get("kl_ci") for k, e in d["fidelity"].items()},
                             "source": str(f.relative_to(f.parents[2]))})
     return out
@@ -43,12 +50,15 @@ def render(folder: Path, cfg) -> None:
     write_json_atomic(folder.with_suffix(".json"), {"points": pts, "config": json.loads(json.dumps(
         {"criteria": cfg.criteria, "ratios": cfg.ratios, "repairs": cfg.repairs}))})
     by = {(p["criterion"], p["ratio"], p["repair"]): p for p in pts}
+    guard = "guarded" in cfg.repairs
     lines = [f"# Closeness to the original vs blocks removed: {cfg.model}", "",
              "Mean next-token KL(original ‖ model) in nats per position on held-out wiki-summaries, LAMBADA passages and "
-             "the tasks' prompts (the paper grid's closeness sets; its runs at its ratio are reused). `…` = pending.", "",
+             "the tasks' prompts (the paper grid's closeness sets; its runs at its ratio are reused). `…` = pending."
+             + (" Guard's maps: what the KL guard chose per span, first to last (`lra@λ`: the LRA at relative "
+                "damping λ; `nobias`: without bias; `replaceme`; `none`: pruning alone)." if guard else ""), "",
              "| criterion | ratio | blocks | " + " | ".join(f"{LABELS.get(r, r)} KL {set_label(s)}" for r in cfg.repairs
-                                                         for s in sets) + " |",
-             "|---|---:|---:|" + "---:|" * (len(cfg.repairs) * len(sets))]
+                                                         for s in sets) + (" | guard's maps" if guard else "") + " |",
+             "|---|---:|---:|" + "---:|" * (len(cfg.repairs) * len(sets)) + ("---|" if guard else "")]
     for crit in cfg.criteria:
         for ratio in cfg.ratios:
             row = [by.get((crit, ratio, r)) for r in cfg.repairs]
@@ -56,6 +66,9 @@ def render(folder: Path, cfg) -> None:
             if n is None:
                 continue
             cells = [fmt_kl(p["kl"][s]) if p else "…" for p in row for s in sets]
+            if guard:
+                g = by.get((crit, ratio, "guarded"))
+                cells.append((", ".join(g["maps"]) or "–") if g else "…")
             lines.append(f"| {crit} | {ratio:g} | {n} | " + " | ".join(cells) + " |")
     write_text_atomic(folder.with_suffix(".md"), "\n".join(lines) + "\n")
     try:
