@@ -56,7 +56,7 @@ def main(argv=None):
                 mod.calibrate(trainer, calib, batch_size=4)
                 times[solver].append(time.perf_counter() - t0)
                 if solver == "guarded":
-                    chosen = [mod.reports[s.key]["guard"]["chosen"] for s in mod.spans]
+                    chosen = [mod.reports[s.key]["guards"]["guarded"]["chosen"] for s in mod.spans]
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append({"criterion": crit, "pruned_layers": layers, "spans": len(chosen), "seconds": med,
                      "runs": times, "ratio": med["guarded"] / med["lra"], "chosen": chosen})

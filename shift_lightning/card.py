@@ -29,6 +29,7 @@ SOLVERS = {"lra": "closed-form Linear Residual Adapters (ridge least squares, y 
            "nobias": "closed-form residual maps without bias (y = x + x Wᵀ)",
            "affine": "closed-form affine maps (y = x Aᵀ + c, no identity path)",
            "lra_guard": "closed-form LRAs with a reconstruction guard", "guarded": "the do-no-harm guard",
+           "guarded_span": "the do-no-harm guard, with one LRA per whole span among its candidates",
            "replaceme": "ReplaceMe (least squares) maps on the MLP branch of the block before each site",
            "replaceme_cosine": "ReplaceMe (cosine) maps on the MLP branch of the block before each site",
            "linearpatch": "LinearPatch (Hadamard channel scaling)", "none": "no repair"}

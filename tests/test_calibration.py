@@ -292,7 +292,7 @@ def test_ddp_guard_and_cosine_and_linear_fit_match_one_process(tmp_path):
     """The KL guard (a judge pass with one all-reduce per span), ReplaceMe's cosine fit (activations
     gathered in window order) and the linear_fit criterion: 2 processes give what 1 gives."""
     reports = {}
-    for solver in ("guarded", "replaceme_cosine"):
+    for solver in ("guarded_span", "replaceme_cosine"):
         extra = ["--calibration.solver", solver, "--prune.layers", "null", "--prune.criterion", "linear_fit",
                  "--prune.ratio", "0.34", "--calibration.cosine_epochs", "2"]
         _cli("--output_dir", str(tmp_path / f"{solver}1"), *extra)
@@ -307,8 +307,9 @@ def test_ddp_guard_and_cosine_and_linear_fit_match_one_process(tmp_path):
         for k in w1:
             assert ((w1[k] - w2[k]).norm() / w1[k].norm().clamp_min(1e-12)).item() < 1e-5, (solver, k)
         reports[solver] = (r1, r2)
-    g1, g2 = ([s for s in r["spans"]] for r in reports["guarded"])
+    g1, g2 = ([s for s in r["spans"]] for r in reports["guarded_span"])
     assert [s["guard"]["chosen"] for s in g1] == [s["guard"]["chosen"] for s in g2]
+    assert all(("lra@span" in s["guard"]["kl"]) == (len(s["blocks"]) > 1) for s in g1)  # span candidate
     for s1, s2 in zip(g1, g2):
         for cand, v in s1["guard"]["kl"].items():
             assert s2["guard"]["kl"][cand] == pytest.approx(v, rel=1e-5, abs=1e-12)

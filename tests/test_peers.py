@@ -312,7 +312,7 @@ def test_guard_chooses_by_heldout_closeness_and_refits_on_all_windows(tiny):
                             solvers=["guarded", "lra", "replaceme"])
     mod.calibrate(_trainer(), win, batch_size=3)
     first, second = mod.spans
-    g1, g2 = mod.reports[first.key]["guard"], mod.reports[second.key]["guard"]
+    g1, g2 = mod.reports[first.key]["guards"]["guarded"], mod.reports[second.key]["guards"]["guarded"]
     assert g1["chosen"] == "lra@1e-08" and g1["kl"]["lra@1e-08"] < 1e-4 * g1["kl"]["none"]
     assert g2["chosen"] == "replaceme" and g2["kl"]["replaceme"] < 1e-4 * g2["kl"]["none"]
     assert all(g["kl"][g["chosen"]] == min(g["kl"].values()) for g in (g1, g2))
@@ -340,7 +340,7 @@ def test_guard_rank_path_picks_the_low_rank_fit_and_stores_it_low_rank(tiny):
     cfg = CalibrationConfig(damping=1e-8, guard_path=[10.0], guard_ranks=[2, d])
     mod = CalibrationModule(model, [2], cfg, solvers=["guarded"])
     mod.calibrate(_trainer(), win, batch_size=3)
-    rep = mod.reports[mod.spans[0].key]["guard"]
+    rep = mod.reports[mod.spans[0].key]["guards"]["guarded"]
     assert set(rep["kl"]) == {"none", "lra@10", "lra@r2", "nobias", "replaceme"}
     assert rep["chosen"] == "lra@r2" and rep["kl"]["lra@r2"] < 1e-4 * min(rep["kl"]["none"], rep["kl"]["lra@10"])
     plain = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(damping=1e-8, rank=2), solvers=["lra"])
@@ -349,6 +349,58 @@ def test_guard_rank_path_picks_the_low_rank_fit_and_stores_it_low_rank(tiny):
     assert sum(p.numel() for p in got.parameters()) == 2 * d * 2 + d
     x = torch.randn(2, 3, d, dtype=torch.float64)
     assert_close(got(x), want(x), rtol=1e-9, atol=1e-9)
+
+
+class SideChannel(nn.Module):
+    """``y = x + sign · 3 e₀ |x₁| (+ x Mᵀ)``: writes a nonlinear function of coordinate 1 into
+    coordinate 0 (``sign = +1``) or removes it again (``-1``; ``M``'s column 0 is zero, so it only
+    reads what the first block left unchanged). Two in a row are exactly ``y = x + x Mᵀ``; each alone
+    is not linear."""
+
+    def __init__(self, sign, M=None):
+        super().__init__()
+        self.sign, self.M = sign, M
+
+    def forward(self, hidden_states, *args, **kwargs):
+        y = hidden_states.clone()
+        y[..., 0] += self.sign * 3 * hidden_states[..., 1].abs()
+        if self.M is not None:
+            y = y + hidden_states @ self.M.T.to(hidden_states)
+        return y
+
+
+def test_guard_span_candidate_fits_the_whole_span_at_once(tiny):
+    """Blocks 2–3 are together exactly linear, each alone is not: the merged per-block LRAs cannot
+    undo block 2's nonlinear write, one LRA fitted to the span's update can. ``guarded_span`` tries
+    it, keeps it (KL ≈ 0) and refits it on all windows into the map ``granularity: span`` gives; the
+    one-block span (block 5, exactly linear) gets no duplicate candidate. ``guarded``, judged in the
+    same module on the same windows, never sees it."""
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    d = model.config.hidden_size
+    M = _rand(d, 9, 0.3)
+    M[:, 0] = 0
+    blocks = decoder_layers(model)
+    blocks[2], blocks[3] = SideChannel(+1.0), SideChannel(-1.0, M)
+    blocks[5] = Linear(torch.eye(d, dtype=torch.float64) + _rand(d, 5))
+    win = _windows(tok, n=12)
+    cfg = CalibrationConfig(damping=1e-8, guard_path=[1e-8])
+    mod = CalibrationModule(model, [2, 3, 5], cfg, solvers=["guarded_span", "guarded", "lra"])
+    mod.calibrate(_trainer(), win, batch_size=3)
+    assert mod.guards == ["guarded_span", "guarded"]
+    (pair, single), (plain_pair, _) = ([mod.reports[s.key]["guards"][g] for s in mod.spans] for g in mod.guards)
+    assert set(pair["kl"]) == {"none", "lra@1e-08", "nobias", "replaceme", "lra@span"}
+    assert "lra@span" not in single["kl"] and "lra@span" not in plain_pair["kl"]
+    assert pair["chosen"] == "lra@span" and pair["kl"]["lra@span"] < 1e-3 * pair["kl"]["lra@1e-08"]
+    assert plain_pair["chosen"] != "lra@span" and plain_pair["kl"]["lra@1e-08"] == pair["kl"]["lra@1e-08"]
+    span_lra = CalibrationModule(copy.deepcopy(model), [2, 3, 5], CalibrationConfig(damping=1e-8, granularity="span"))
+    span_lra.calibrate(_trainer(), win, batch_size=3)
+    x = torch.randn(2, 3, d, dtype=torch.float64)
+    got, want = mod.correction("guarded_span").adapters[2], span_lra.correction("lra").adapters[2]
+    assert_close(got(x), want(x), rtol=1e-8, atol=1e-8)
+    assert_close(got(x), x + x @ M.T, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(mod.correction("guarded").adapters[2](x), got(x), atol=1e-4)
+    reports = mod.span_reports()  # the first requested guard's judgement, and both when there are two
+    assert reports[0]["guard"] == pair and set(reports[0]["guards"]) == {"guarded", "guarded_span"}
 
 
 def test_replaceme_cosine_follows_the_reference_recipe(tiny):

@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 #: The registered solvers (:mod:`shift_lightning.calibration.solvers`), as the config's choices.
 #: ``tests/test_structure.py`` checks that this list and the registry agree.
 SolverName = Literal["lra", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch", "lra_guard",
-                     "guarded"]
+                     "guarded", "guarded_span"]
 
 
 @dataclass
@@ -29,7 +29,8 @@ class CalibrationConfig:
     P = H D Hᵀ), ``lra_guard`` (the LRA with its ridge strength chosen per site by held-out
     reconstruction error), ``guarded`` (per span the map among none / the LRA along its ridge path /
     no bias / ReplaceMe that keeps the model closest to the original on held-out calibration
-    windows, by next-token KL)."""
+    windows, by next-token KL), ``guarded_span`` (the same guard, with one LRA fitted to each whole span
+    of two or more blocks as one more candidate)."""
     mode: Literal["independent", "sequential"] = "independent"
     """``independent`` (one pass of the original model) or ``sequential`` (each site sees the
     corrected pruned model's hidden states; about one pass in all, block by block)."""

@@ -32,7 +32,7 @@ from .sequential import SequentialWalk
 from .sites import Site, make_sites, sites_in, span_sites
 from .solve import Job, solve_shared
 from .solvers import Solver, get_solver
-from .solvers.guard import Candidate
+from .solvers.guard import Candidate, Guarded
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,11 @@ class CalibrationModule(DataPass):
     @property
     def primary(self) -> str:
         return self.requested[0]
+
+    @property
+    def guards(self) -> list[str]:
+        """The requested KL guards (solvers that choose per span by a judge pass)."""
+        return [n for n in self.requested if isinstance(self.solvers[n], Guarded)]
 
     # ---------------------------------------------------------------- the pass (DataPass hooks)
     def begin(self):
@@ -153,11 +158,13 @@ class CalibrationModule(DataPass):
         t0 = time.time()
         if self.cfg.mode == "independent":
             plan = [(t, set(s.needs)) for s in self._fittable() for t in (self.spans if s.per_span else self.sites)]
+            if any(c.span for g in self.guards for c in self.solvers[g].candidates(self.dim)):
+                plan += [(t, {"io"}) for t in self.spans]  # the span-level LRA candidate's statistics
             holdout = any(s.holdout for s in self.solvers.values())
             self.statistics = self._collect(trainer, windows, batch_size, plan, "calibration statistics", holdout)
             self.solve()
-            if "guarded" in self.solvers:
-                self._guard(trainer, windows, batch_size)
+            for name in self.guards:
+                self._guard(name, trainer, windows, batch_size)
         else:
             solver = self.solvers[self.primary]
 
@@ -226,9 +233,16 @@ class CalibrationModule(DataPass):
         if s.placement == "branch":
             sol = sols.get((c.name, span.key))
             return None if sol is None else SpanMap(span, branch=sol.W.T, source=c.name)
+        targets = self._candidate_targets(c, s, span)
+        if c.span and [t.key for t in targets] == [t.key for t in sites_in(span, self.sites)]:
+            return None  # a one-site span: the span fit is the site fit, already a candidate
         dtype = next(self.model.parameters()).dtype
-        parts = [adapter_from(sols[(c.name, t.key)], s.bias, dtype, s.rank(self.dim)) for t in sites_in(span, self.sites)]
+        parts = [adapter_from(sols[(c.name, t.key)], s.bias, dtype, s.rank(self.dim)) for t in targets]
         return SpanMap(span, adapter=chain(parts, self.cfg.merge), source=c.name)
+
+    def _candidate_targets(self, c: Candidate, s: Solver, span: Site) -> list[Site]:
+        """Where candidate ``c`` is fitted inside ``span``: the span itself, or its sites."""
+        return [span] if s.per_span or c.span else sites_in(span, self.sites)
 
     def _guard_jobs(self, choices: list[Candidate], fitting: bool) -> dict:
         jobs = []
@@ -237,17 +251,17 @@ class CalibrationModule(DataPass):
                 continue
             s = self._candidate_solver(c)
             for span in self.spans:
-                for t in ([span] if s.per_span else sites_in(span, self.sites)):
+                for t in self._candidate_targets(c, s, span):
                     if s.applies(t):
                         st = self.statistics[t.key]
                         jobs.append(Job(c.name, t, s, st.fitting() if fitting else st))
         device = self._collector.flat.device
         return {(j.tag, j.site.key): sol for j, sol in zip(jobs, solve_shared(jobs, self.dim, device))}
 
-    def _guard(self, trainer: L.Trainer, windows: TokenWindows, batch_size: int) -> None:
-        """Fit the candidates without the held-out windows, judge them there, refit the chosen (see
-        :mod:`~shift_lightning.calibration.solvers.guard`)."""
-        guard = self.solvers["guarded"]
+    def _guard(self, name: str, trainer: L.Trainer, windows: TokenWindows, batch_size: int) -> None:
+        """Fit guard ``name``'s candidates without the held-out windows, judge them there, refit the
+        chosen (see :mod:`~shift_lightning.calibration.solvers.guard`)."""
+        guard = self.solvers[name]
         cands = guard.candidates(self.dim)
         sols = self._guard_jobs(cands, fitting=True)
         default_name = next(c.name for c in cands if c.solver == "lra")
@@ -265,11 +279,12 @@ class CalibrationModule(DataPass):
         judge.run(trainer, TokenWindows(windows.input_ids[held_out], windows.attention_mask[held_out]), batch_size)
         chosen = {key: judge.results[key]["chosen"] for key in judge.results}
         refit = self._guard_jobs([c for c in cands if c.name in set(chosen.values())], fitting=False)
-        self._chosen["guarded"] = {}
+        self._chosen[name] = {}
         for span in self.spans:
             c = next(c for c in cands if c.name == chosen[span.key])
-            self._chosen["guarded"][span.key] = self._candidate(c, span, refit)
-            self.reports[span.key]["guard"] = {**judge.results[span.key], "held_out_windows": len(held_out)}
+            self._chosen[name][span.key] = self._candidate(c, span, refit)
+            self.reports[span.key].setdefault("guards", {})[name] = {**judge.results[span.key],
+                                                                     "held_out_windows": len(held_out)}
 
     # ---------------------------------------------------------------- held-out errors
     def measure(self, trainer: L.Trainer, windows: TokenWindows, batch_size: int = 4, key: str = "heldout") -> None:
@@ -368,9 +383,13 @@ class CalibrationModule(DataPass):
         out = []
         for sp in self.spans:
             rep = self.reports[sp.key]
+            guards = rep.get("guards", {})
+            extra = {"guard": guards[next(g for g in self.requested if g in guards)]} if guards else {}
+            if len(guards) > 1:
+                extra["guards"] = guards
             out.append({"index": sp.index, "blocks": sp.blocks,
                         "maps": {n: self.span_map(n, sp).source for n in self.requested},
-                        **{k: rep[k] for k in ("span_errors", "guard") if k in rep}})
+                        **{k: rep[k] for k in ("span_errors",) if k in rep}, **extra})
         return out
 
     def site_reports(self) -> list[dict]:

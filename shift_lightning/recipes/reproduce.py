@@ -80,8 +80,8 @@ class ReproduceConfig:
     criteria: list[str] = field(default_factory=lambda: list(CRITERIA_ORDER))
     """Criteria to run, in this order."""
     variants: list[Literal["pruned", "lra", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch",
-                           "lra_guard", "guarded"]] = field(default_factory=lambda: list(VARIANTS))
-    """Row variants per criterion."""
+                           "lra_guard", "guarded", "guarded_span"]] = field(default_factory=lambda: list(VARIANTS))
+    """Row variants per criterion (``guarded_span`` is opt-in: not among the defaults)."""
     fill: Literal["all", "new", "closeness"] = "all"
     """``all``: missing runs, and closeness for finished runs that lack it; ``new``: missing runs only;
     ``closeness``: closeness for finished runs only."""
@@ -347,8 +347,8 @@ def _site_errors(module: CalibrationModule, solver: str) -> list[dict]:
         if solver == "lra_guard":
             row["guard"] = {str(t.start): module.reports[t.key]["solvers"][solver].get("guard") for t in module.sites
                             if s.start <= t.start < s.end}
-        if solver == "guarded":
-            row["guard"] = rep.get("guard")
+        if solver in module.guards:
+            row["guard"] = rep.get("guards", {}).get(solver)
         out.append(row)
     return out
 

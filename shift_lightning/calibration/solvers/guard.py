@@ -11,7 +11,10 @@ the candidates
     none (plain pruning) · the LRA at each relative damping of ``--calibration.guard_path``
     (its ridge path, shrinking towards none) · the LRA at each rank of ``--calibration.guard_ranks``
     (opt-in; the optimal reduced-rank fit, another shrinkage) · the LRA without bias · ReplaceMe
-    (least squares)
+    (least squares) · with ``guarded_span``, at a span of two or more blocks: ``lra@span``, ONE LRA
+    fitted to the whole span's update ``h_end − x`` at once (what ``granularity: span`` fits; the
+    merged per-block LRAs are fitted block by block on the original's inputs, so their product is not
+    the least-squares map of the span; one more ``(d+1)²`` float64 statistic per such span)
 
 and, span after span (earlier spans at their chosen map, later spans at the plain LRA), runs the
 pruned model on the held-out windows with each candidate in place and keeps the one with the
@@ -22,7 +25,7 @@ on all windows. The held-out windows are calibration text, never the evaluated d
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from ...stats import Solution
 from ..collect import SiteStatistics
@@ -31,12 +34,14 @@ from .base import Solver, register
 
 class Candidate(NamedTuple):
     """One map the guard may choose for a span: ``solver`` None is plain pruning; ``damping``
-    replaces ``--calibration.damping`` for this fit (None: keep it); ``rank`` None is full rank."""
+    replaces ``--calibration.damping`` for this fit (None: keep it); ``rank`` None is full rank;
+    ``span``: one map fitted per span instead of one per site, merged."""
 
     name: str
     solver: str | None
     damping: float | None = None
     rank: int | None = None
+    span: bool = False
 
 
 @register
@@ -46,6 +51,8 @@ class Guarded(Solver):
     holdout = True
     needs = frozenset()
     wraps = ("lra", "nobias", "replaceme")
+    span_candidate: ClassVar[bool] = False
+    """Also try one LRA per whole span (``lra@span``)."""
 
     def candidates(self, dim: int) -> list[Candidate]:
         """The candidates in tie-breaking order (ranks ``≥ dim`` are the full-rank LRA: left out)."""
@@ -53,7 +60,14 @@ class Guarded(Solver):
         out += [Candidate(f"lra@{lam:g}", "lra", damping=lam) for lam in self.cfg.ridge_path()]
         out += [Candidate(f"lra@r{r}", "lra", rank=r) for r in self.cfg.guard_ranks or [] if r < dim]
         out += [Candidate("nobias", "nobias"), Candidate("replaceme", "replaceme")]
+        out += [Candidate("lra@span", "lra", span=True)] if self.span_candidate else []
         return out
 
     def fit(self, stats: SiteStatistics) -> Solution:  # pragma: no cover - orchestrated by the module
         raise NotImplementedError("the guard chooses among fitted maps with a judge pass; see CalibrationModule")
+
+
+@register
+class GuardedSpan(Guarded):
+    name, label = "guarded_span", "+guarded (span LRA)"
+    span_candidate = True
