@@ -226,7 +226,7 @@ def test_domain_comparison_of_two_grids(tmp_path):
     from shift_lightning.recipes.domain_compare import DomainCompareConfig, render
     from shift_lightning.recipes.reproduce import run
 
-    kw = dict(criteria=["reverse_star"], variants=["pruned", "lra", "guarded", "replaceme"], calib_samples=8)
+    kw = dict(criteria=["reverse_star"], variants=["pruned", "lra", "guarded", "guarded_span", "replaceme"], calib_samples=8)
     run(_tiny_grid(tmp_path, out=str(tmp_path / "a"), **kw))
     run(_tiny_grid(tmp_path, out=str(tmp_path / "b"), calib_source=str(ROOT / "tests" / "data" / "tiny_heldout.txt"), **kw))
     # each grid's own table names the text its maps were fitted on
@@ -289,13 +289,18 @@ def test_domain_comparison_of_two_grids(tmp_path):
     # the guard beside the repair: its choices per span and its own paired fall below pruning
     runs["g"] = json.loads((tmp_path / "b" / "tiny" / "reverse_star" / "guarded.json").read_text())
     boot = Bootstrap(runs, "original", n_boot=50)
-    gd, dg = row["guard"], boot.difference("g", "p")
+    gd, dg = row["guards"]["guarded"], boot.difference("g", "p")
     assert gd["chosen"] == [site["guard"]["chosen"] for site in runs["g"]["sites"]] and gd["chosen"]
     assert gd["vs_pruned"]["avg_diff"] == dg["avg_diff"] and gd["vs_repair"]["avg_diff"] == boot.difference("g", "b")["avg_diff"]
-    assert t["guard_of"] == 1 and (t["guard_harm"] == []) == gd["no_harm"]
-    assert t["guard_where_harm"] == t["harm"] and set(t["guard_removes_harm"]) <= set(t["harm"])
+    gc = t["guards"]["guarded"]
+    assert gc["of"] == 1 and (gc["harm"] == []) == gd["no_harm"] and list(t["guards"]) == ["guarded", "guarded_span"]
+    assert gc["where_harm"] == t["harm"] and set(gc["removes_harm"]) <= set(t["harm"])
     assert f"| reverse_star | mixed | {', '.join(gd['chosen'])} | " in md
     assert "- **mixed**: run under 1 of 2 criteria; significantly below pruning on Avg or Robust under" in md
+    # each guard has its own summary and table; the span guard's choices come from its own run
+    span_run = json.loads((tmp_path / "b" / "tiny" / "reverse_star" / "guarded_span.json").read_text())
+    assert row["guards"]["guarded_span"]["chosen"] == [site["guard"]["chosen"] for site in span_run["sites"]]
+    assert "The do-no-harm guard `guarded` (" in md and "The do-no-harm guard `guarded_span` (" in md
     # a grid without same-text ReplaceMe rows says so instead of counting "0 of 0"
     (tmp_path / "b" / "tiny" / "reverse_star" / "replaceme.json").unlink()
     out = render_table(FidelityTableConfig(models=["tiny"], grids={"wiki": str(tmp_path / "a"), "mixed": str(tmp_path / "b")},

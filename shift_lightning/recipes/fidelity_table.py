@@ -33,14 +33,15 @@ from .tables.paper import REPLACEME, load_runs
 
 log = logging.getLogger(__name__)
 
-#: The do-no-harm guard's variant, summarised beside the repair under each calibration text.
-GUARD = "guarded"
+#: The do-no-harm guards' variants, each summarised beside the repair under each calibration text.
+GUARDS = ("guarded", "guarded_span")
 
 #: The table's columns: (grid, variant, header).
 COLUMNS = (("wiki", "pruned", "pruned"), ("wiki", "lra", "+LRA"), ("wiki", "replaceme", "+ReplaceMe (LS)"),
-           ("wiki", "replaceme_cosine", "+ReplaceMe (cosine)"), ("wiki", GUARD, "+guarded"),
+           ("wiki", "replaceme_cosine", "+ReplaceMe (cosine)"), ("wiki", "guarded", "+guarded"),
            ("mixed", "lra", "+LRA, mixed calib."), ("mixed", "replaceme", "+ReplaceMe (LS), mixed calib."),
-           ("mixed", "replaceme_cosine", "+ReplaceMe (cosine), mixed calib."), ("mixed", GUARD, "+guarded, mixed calib."))
+           ("mixed", "replaceme_cosine", "+ReplaceMe (cosine), mixed calib."), ("mixed", "guarded", "+guarded, mixed calib."),
+           ("mixed", "guarded_span", "+guarded (span LRA), mixed calib."))
 
 
 @dataclass
@@ -74,6 +75,15 @@ def _guard_summary(boot, named: dict, guard: str, repair: str, pruned: str) -> d
     run = named[guard]
     return {"chosen": [site.get("guard", {}).get("chosen") for site in run.get("sites", [])], "kl": run["kl"],
             **_against_pruned(boot, named, guard, pruned), "vs_repair": boot.difference(guard, repair)}
+
+
+def _guard_counts(gv: str, ts: dict, with_p: dict) -> dict:
+    """Guard ``gv`` over the criteria of one text: where it ran, where it is significantly below
+    pruning, and which of the repair's significant falls it removes."""
+    ran = {c: t["guards"][gv] for c, t in ts.items() if gv in t.get("guards", {})}
+    return {"of": len(ran), "harm": [c for c, gd in ran.items() if not gd["no_harm"]],
+            "removes_harm": [c for c, t in with_p.items() if not t["no_harm"] and c in ran and ran[c]["no_harm"]],
+            "where_harm": [c for c, t in with_p.items() if not t["no_harm"] and c in ran]}
 
 
 def _mean_kl(run: dict) -> float:
@@ -149,9 +159,10 @@ def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
                 t["replaceme_any_text"] = sorted(anywhere)
                 t["kl_below_replaceme_any_text"] = all(run["kl"][s] < min(named[n]["kl"][s] for n in anywhere)
                                                        for s in run["kl"])
-            guard = f"{g}:{crit}/{GUARD}"
-            if p is not None and guard in named and GUARD != cfg.repair:
-                t["guard"] = _guard_summary(boot, named, guard, name, p)
+            for gv in GUARDS:
+                guard = f"{g}:{crit}/{gv}"
+                if p is not None and guard in named and gv != cfg.repair:
+                    t.setdefault("guards", {})[gv] = _guard_summary(boot, named, guard, name, p)
             row["targets"][g] = t
         rows.append(row)
     targets = {}
@@ -173,11 +184,8 @@ def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
             "replaceme_of": len(with_rm),
             "kl_below_replaceme_any_text": [c for c, t in ts.items() if t.get("kl_below_replaceme_any_text")],
             "replaceme_any_text_of": sum("replaceme_any_text" in t for t in ts.values()),
-            "guard_of": sum("guard" in t for t in ts.values()),
-            "guard_harm": [c for c, t in ts.items() if "guard" in t and not t["guard"]["no_harm"]],
-            "guard_removes_harm": [c for c, t in with_p.items() if not t["no_harm"] and "guard" in t
-                                   and t["guard"]["no_harm"]],
-            "guard_where_harm": [c for c, t in with_p.items() if not t["no_harm"] and "guard" in t]}
+            "guards": {gv: _guard_counts(gv, ts, with_p) for gv in GUARDS
+                       if any(gv in t.get("guards", {}) for t in ts.values())}}
     sets = next((list(r["kl"]) for n, r in named.items() if n != "original"), [])
     return {"model": model, "sets": sets, "rows": rows, "targets": targets, "bootstrap": boot.meta()}
 
@@ -279,38 +287,42 @@ def _replaceme_table(doc: dict, cfg: FidelityTableConfig) -> list[str]:
 
 
 def _guard_table(doc: dict, cfg: FidelityTableConfig) -> list[str]:
-    """Per criterion and calibration text where the guard ran: its choices per span, its KL beside the
+    """Per guard, criterion and calibration text where it ran: its choices per span, its KL beside the
     repair's, and its paired differences from pruning alone (does it remove the repair's falls?)."""
     sets = doc["sets"]
-    rows = [(r["criterion"], g, r["targets"][g]) for g in cfg.grids for r in doc["rows"]
-            if "guard" in r["targets"].get(g, {})]
-    if not rows:
-        return []
     kl = " / ".join(set_label(s) for s in sets)
-    lines = ["", f"The do-no-harm guard (`{GUARD}`: per span, the candidate whose pruned model is closest to the "
-             "original on held-out calibration windows) against pruning alone, where it ran "
-             "(paired 95 % bootstrap; ↑ / ↓: the interval lies above / below 0):", ""]
-    for g, t in doc["targets"].items():
-        if not t["guard_of"]:
+    lines = []
+    for gv in GUARDS:
+        rows = [(r["criterion"], g, r["targets"][g]) for g in cfg.grids for r in doc["rows"]
+                if gv in r["targets"].get(g, {}).get("guards", {})]
+        if not rows:
             continue
-        where = t["guard_where_harm"]
-        lines.append(f"- **{g}**: run under {t['guard_of']} of {len(cfg.criteria)} criteria; significantly below "
-                     f"pruning on Avg or Robust under {len(t['guard_harm'])} of {t['guard_of']}"
-                     + (f" ({', '.join(t['guard_harm'])})" if t["guard_harm"] else "")
-                     + (f"; of the {len(where)} where `{cfg.repair}` is ({', '.join(where)}), it removes the fall "
-                        f"under {len(t['guard_removes_harm'])}" if where else
-                        f"; `{cfg.repair}` is significantly below pruning under none of these")
-                     + ".")
-    lines += ["", f"| criterion | text | chosen per span | KL {kl}: {GUARD} | KL: {cfg.repair} | "
-              f"Avg {GUARD} − pruned | Robust {GUARD} − pruned | Avg {GUARD} − {cfg.repair} |",
-              "|---|---|---|---:|---:|---:|---:|---:|"]
-    for crit, g, t in rows:
-        gd = t["guard"]
-        lines.append(f"| {crit} | {g} | {', '.join(str(c) for c in gd['chosen']) or '–'} | "
-                     + " / ".join(f"{gd['kl'][s]:.2f}" for s in sets) + " | "
-                     + " / ".join(f"{t['kl'][s]:.2f}" for s in sets)
-                     + f" | {fmt_diff(gd['vs_pruned'], 'avg')} | {fmt_diff(gd['vs_pruned'], 'robust')}"
-                     f" | {fmt_diff(gd['vs_repair'], 'avg')} |")
+        what = ("per span, the candidate whose pruned model is closest to the original on held-out calibration "
+                "windows" + (", one LRA fitted to the whole span among the candidates" if gv == "guarded_span" else ""))
+        lines += ["", f"The do-no-harm guard `{gv}` ({what}) against pruning alone, where it ran (paired 95 % "
+                  "bootstrap; ↑ / ↓: the interval lies above / below 0):", ""]
+        for g, t in doc["targets"].items():
+            gc = t.get("guards", {}).get(gv)
+            if not gc:
+                continue
+            where = gc["where_harm"]
+            lines.append(f"- **{g}**: run under {gc['of']} of {len(cfg.criteria)} criteria; significantly below "
+                         f"pruning on Avg or Robust under {len(gc['harm'])} of {gc['of']}"
+                         + (f" ({', '.join(gc['harm'])})" if gc["harm"] else "")
+                         + (f"; of the {len(where)} where `{cfg.repair}` is ({', '.join(where)}), it removes the fall "
+                            f"under {len(gc['removes_harm'])}" if where else
+                            f"; `{cfg.repair}` is significantly below pruning under none of these")
+                         + ".")
+        lines += ["", f"| criterion | text | chosen per span | KL {kl}: {gv} | KL: {cfg.repair} | "
+                  f"Avg {gv} − pruned | Robust {gv} − pruned | Avg {gv} − {cfg.repair} |",
+                  "|---|---|---|---:|---:|---:|---:|---:|"]
+        for crit, g, t in rows:
+            gd = t["guards"][gv]
+            lines.append(f"| {crit} | {g} | {', '.join(str(c) for c in gd['chosen']) or '–'} | "
+                         + " / ".join(f"{gd['kl'][s]:.2f}" for s in sets) + " | "
+                         + " / ".join(f"{t['kl'][s]:.2f}" for s in sets)
+                         + f" | {fmt_diff(gd['vs_pruned'], 'avg')} | {fmt_diff(gd['vs_pruned'], 'robust')}"
+                         f" | {fmt_diff(gd['vs_repair'], 'avg')} |")
     return lines
 
 
