@@ -215,7 +215,7 @@ def test_fidelity_sweep_reuses_the_grid_and_plots_kl_against_blocks_removed(tmp_
         if p["repair"] == "guarded":
             assert len(p["maps"]) >= 1 and set(p["maps"]) <= allowed
     md = (tmp_path / "sweep" / "tiny.md").read_text().splitlines()
-    assert md[4].endswith("| guard's maps |")
+    assert md[4].endswith("| +guarded maps |")
     reused = next(p for p in doc["points"] if p["criterion"] == "reverse_star" and p["ratio"] == 0.25
                   and p["repair"] == "guarded")
     assert next(r for r in md if r.startswith("| reverse_star | 0.25 |")).endswith(f"| {', '.join(reused['maps'])} |")

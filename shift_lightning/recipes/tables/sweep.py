@@ -11,6 +11,9 @@ from ...outputs import write_file_atomic, write_json_atomic, write_text_atomic
 from .common import fmt_kl, set_label
 from .paper import LABELS
 
+#: Repairs that choose a map per span (their choices get a column).
+GUARDS = ("guarded", "guarded_span")
+
 
 def maps_of(run: dict) -> list[str]:
     """The map per span of a run: the sweep's ``maps``, or the paper grid's per-site ``map``."""
@@ -50,15 +53,17 @@ def render(folder: Path, cfg) -> None:
     write_json_atomic(folder.with_suffix(".json"), {"points": pts, "config": json.loads(json.dumps(
         {"criteria": cfg.criteria, "ratios": cfg.ratios, "repairs": cfg.repairs}))})
     by = {(p["criterion"], p["ratio"], p["repair"]): p for p in pts}
-    guard = "guarded" in cfg.repairs
+    guards = [r for r in cfg.repairs if r in GUARDS]
     lines = [f"# Closeness to the original vs blocks removed: {cfg.model}", "",
              "Mean next-token KL(original ‖ model) in nats per position on held-out wiki-summaries, LAMBADA passages and "
              "the tasks' prompts (the paper grid's closeness sets; its runs at its ratio are reused). `…` = pending."
-             + (" Guard's maps: what the KL guard chose per span, first to last (`lra@λ`: the LRA at relative "
-                "damping λ; `nobias`: without bias; `replaceme`; `none`: pruning alone)." if guard else ""), "",
+             + (" Maps: what the KL guard chose per span, first to last (`lra@λ`: the LRA at relative damping λ; "
+                "`lra@span`: one LRA for the whole span; `nobias`: without bias; `replaceme`; `none`: pruning "
+                "alone)." if guards else ""), "",
              "| criterion | ratio | blocks | " + " | ".join(f"{LABELS.get(r, r)} KL {set_label(s)}" for r in cfg.repairs
-                                                         for s in sets) + (" | guard's maps" if guard else "") + " |",
-             "|---|---:|---:|" + "---:|" * (len(cfg.repairs) * len(sets)) + ("---|" if guard else "")]
+                                                         for s in sets)
+             + "".join(f" | {LABELS.get(g, g)} maps" for g in guards) + " |",
+             "|---|---:|---:|" + "---:|" * (len(cfg.repairs) * len(sets)) + "---|" * len(guards)]
     for crit in cfg.criteria:
         for ratio in cfg.ratios:
             row = [by.get((crit, ratio, r)) for r in cfg.repairs]
@@ -66,8 +71,8 @@ def render(folder: Path, cfg) -> None:
             if n is None:
                 continue
             cells = [fmt_kl(p["kl"][s]) if p else "…" for p in row for s in sets]
-            if guard:
-                g = by.get((crit, ratio, "guarded"))
+            for gv in guards:
+                g = by.get((crit, ratio, gv))
                 cells.append((", ".join(g["maps"]) or "–") if g else "…")
             lines.append(f"| {crit} | {ratio:g} | {n} | " + " | ".join(cells) + " |")
     write_text_atomic(folder.with_suffix(".md"), "\n".join(lines) + "\n")
