@@ -29,12 +29,9 @@ from pathlib import Path
 from ..outputs import write_json_atomic, write_text_atomic
 from .harness import model_key
 from .tables.common import fmt_ci, fmt_diff, fmt_kl, set_label
-from .tables.paper import REPLACEME, load_runs
+from .tables.paper import GUARDS, REPLACEME, load_runs
 
 log = logging.getLogger(__name__)
-
-#: The do-no-harm guards' variants, each summarised beside the repair under each calibration text.
-GUARDS = ("guarded", "guarded_span")
 
 #: The table's columns: (grid, variant, header).
 COLUMNS = (("wiki", "pruned", "pruned"), ("wiki", "lra", "+LRA"), ("wiki", "replaceme", "+ReplaceMe (LS)"),

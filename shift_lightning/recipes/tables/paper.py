@@ -14,12 +14,15 @@ import os
 from pathlib import Path
 
 from ...calibration import SOLVERS
+from ...calibration.solvers.guard import Guarded
 from ...outputs import write_file_atomic, write_json_atomic, write_text_atomic
 from .common import TASK_LABELS, blocks_label, fmt_ci, fmt_diff, fmt_kl, fmt_ppl, set_label
 
 log = logging.getLogger(__name__)
 
 LABELS = {"original": "original", "pruned": "pruned", **{n: cls.label for n, cls in SOLVERS.items()}}
+#: The KL guards (solvers that choose a map per span), in registry order.
+GUARDS = tuple(n for n, cls in SOLVERS.items() if issubclass(cls, Guarded))
 #: Peers of the LRA in the comparisons (and the two ReplaceMe variants, whose better one is "ReplaceMe").
 PEERS = ("nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch", "lra_guard", "guarded", "guarded_span")
 REPLACEME = ("replaceme", "replaceme_cosine")

@@ -9,10 +9,7 @@ from pathlib import Path
 
 from ...outputs import write_file_atomic, write_json_atomic, write_text_atomic
 from .common import fmt_kl, set_label
-from .paper import LABELS
-
-#: Repairs that choose a map per span (their choices get a column).
-GUARDS = ("guarded", "guarded_span")
+from .paper import GUARDS, LABELS
 
 
 def maps_of(run: dict) -> list[str]:
