@@ -234,15 +234,14 @@ class CalibrationModule(DataPass):
             sol = sols.get((c.name, span.key))
             return None if sol is None else SpanMap(span, branch=sol.W.T, source=c.name)
         targets = self._candidate_targets(c, s, span)
-        if not targets:
+        if not targets:  # a span-level LRA at a one-site span
             return None
         dtype = next(self.model.parameters()).dtype
         parts = [adapter_from(sols[(c.name, t.key)], s.bias, dtype, s.rank(self.dim)) for t in targets]
         return SpanMap(span, adapter=chain(parts, self.cfg.merge), source=c.name)
 
     def _candidate_targets(self, c: Candidate, s: Solver, span: Site) -> list[Site]:
-        """Where candidate ``c`` is fitted inside ``span``: the span itself, or its sites; nowhere for a
-        span-level LRA at a one-site span (that fit is the site fit, already a candidate)."""
+        """Where ``c`` is fitted in ``span``: the span, its sites, or nowhere (a span LRA at one site = the site fit)."""
         sites = sites_in(span, self.sites)
         if c.span:
             return [] if [t.key for t in sites] == [span.key] else [span]
