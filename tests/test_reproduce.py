@@ -4,6 +4,8 @@ the table as data (JSON), markdown and plot."""
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import replace
 from pathlib import Path
 
 from shift_lightning.calibration import CalibrationConfig
@@ -309,6 +311,27 @@ def test_domain_comparison_of_two_grids(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert md.count("against the better ReplaceMe fitted on the same text") == 1
     assert "no ReplaceMe row fitted on the same text yet" in md
+    # a grid that ran no pruned rows (refitted on another text) shows the other grid's, on the same docs
+    import shutil
+
+    from shift_lightning.recipes.reproduce import render as render_grid
+
+    (tmp_path / "b" / "tiny" / "reverse_star" / "pruned.json").unlink()
+    cfg_b = _tiny_grid(tmp_path, out=str(tmp_path / "b"), calib_source=str(ROOT / "tests" / "data" / "tiny_heldout.txt"),
+                       pruned_from=str(tmp_path / "a"), **kw)
+    render_grid(tmp_path / "b" / "tiny", cfg_b)
+    tb = json.loads((tmp_path / "b" / "tiny.json").read_text())
+    assert tb["info"]["pruned_from"] == {"grid": os.path.relpath(tmp_path / "a" / "tiny"), "criteria": ["reverse_star"]}
+    assert next(r for r in tb["rows"] if r["variant"] == "lra")["vs_pruned"]["avg_diff"] == direct["avg_diff"]
+    md_b = (tmp_path / "b" / "tiny.md").read_text()
+    assert "| reverse_star | pruned |" in md_b and f"Pruned rows (reverse_star): from `{os.path.relpath(tmp_path / 'a' / 'tiny')}/`" in md_b
+    # ... but never from a grid that scored other docs
+    shutil.copytree(tmp_path / "a", tmp_path / "c")
+    orig_c = tmp_path / "c" / "tiny" / "original.json"
+    orig_c.write_text(json.dumps({**(o := json.loads(orig_c.read_text())), "eval": {**o["eval"], "sample_seed": 7}}))
+    render_grid(tmp_path / "b" / "tiny", replace(cfg_b, pruned_from=str(tmp_path / "c")))
+    tb = json.loads((tmp_path / "b" / "tiny.json").read_text())
+    assert tb["info"]["pruned_from"] is None and "vs_pruned" not in next(r for r in tb["rows"] if r["variant"] == "lra")
 
 
 def test_a_criterion_with_the_same_blocks_reuses_the_run_and_recomputing_it_gives_the_same_numbers(tmp_path):

@@ -117,6 +117,9 @@ class ReproduceConfig:
     """Guards: every k-th calibration window is held out to judge."""
     out: str = "results/paper"
     """Where the per-run JSON files and the rendered tables go."""
+    pruned_from: str = "results/paper"
+    """The grid (same model) whose pruned rows this one's tables show where it ran none, e.g. a grid
+    refitted on ``--calib_source mixed``: pruning alone does not depend on the calibration text."""
     render_only: bool = False
     """Only render the tables from the runs already on disk."""
     reuse: bool = True
@@ -133,7 +136,7 @@ class ReproduceConfig:
 def rerun_command(cfg: ReproduceConfig) -> str:
     from .cli import rerun_command as command
 
-    return command("shift_lightning.recipes.reproduce", cfg, skip=("out", "render_only", "grid", "fill"))
+    return command("shift_lightning.recipes.reproduce", cfg, skip=("out", "render_only", "grid", "fill", "pruned_from"))
 
 
 def eval_config(cfg: ReproduceConfig, vocab: int, device: torch.device | None = None, docs: int | None = None
@@ -211,7 +214,7 @@ def run(cfg: ReproduceConfig) -> Path:
 
 
 #: Config keys that do not change a run's numbers (which criteria / variants a process was asked for).
-_RUN_INDEPENDENT = ("criteria", "variants", "fill", "render_only", "out", "n_boot", "reuse")
+_RUN_INDEPENDENT = ("criteria", "variants", "fill", "render_only", "out", "n_boot", "reuse", "pruned_from")
 
 
 def _same_settings(cfg: ReproduceConfig, doc: dict) -> bool:
@@ -356,7 +359,8 @@ def _site_errors(module: CalibrationModule, solver: str) -> list[dict]:
 def render(folder: Path, cfg: ReproduceConfig | None = None) -> None:
     """The tables from the runs on disk (:mod:`~shift_lightning.recipes.tables.paper`)."""
     cfg = cfg or ReproduceConfig()
-    tables.render(folder, cfg.criteria, cfg.variants, cfg.ratio, cfg.n_boot)
+    tables.render(folder, cfg.criteria, cfg.variants, cfg.ratio, cfg.n_boot,
+                  pruned_from=Path(cfg.pruned_from) / folder.name if cfg.pruned_from else None)
 
 
 def reproduce_parser():

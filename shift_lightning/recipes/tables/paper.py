@@ -82,14 +82,38 @@ def table_rows(folder: Path, n_boot: int = 2000, runs: dict[tuple, dict] | None 
     return rows, boot.meta()
 
 
+def borrow_pruned(runs: dict[tuple, dict], source: Path) -> list[str]:
+    """Pruning alone does not depend on the calibration text, so a grid fitted on another text (which
+    runs no ``pruned`` rows of its own) takes them from ``source``, the same model's grid, wherever that
+    grid scored the same docs and pruned the same blocks. Adds them to ``runs`` in place; returns the
+    criteria whose rows it took."""
+    mine, theirs = runs.get((None, "original")), load_runs(source) if source.is_dir() else {}
+    other = theirs.get((None, "original"))
+    if mine is None or other is None or mine["eval"] != other["eval"] or \
+            any(t.get("sampling") != other["tasks"].get(n, {}).get("sampling") for n, t in mine["tasks"].items()):
+        return []
+    taken = []
+    for (crit, v), r in list(runs.items()):
+        p = theirs.get((crit, "pruned"))
+        if crit is None or (crit, "pruned") in runs or p is None or p["pruned_layers"] != r["pruned_layers"]:
+            continue
+        runs[(crit, "pruned")] = p
+        taken.append(crit)
+    return taken
+
+
 def _calib_text(cfg: dict) -> str:
     """The text a run's maps were fitted on (runs made before ``calib_source`` existed: the grid's text)."""
     return cfg.get("calib_source") or cfg.get("text_source") or "wiki_summaries"
 
 
-def render(folder: Path, criteria: list[str], variants: list[str], ratio: float, n_boot: int = 2000) -> None:
-    """``<model>.json``, ``<model>.md`` and the PNG plot from the runs on disk."""
+def render(folder: Path, criteria: list[str], variants: list[str], ratio: float, n_boot: int = 2000,
+           pruned_from: Path | None = None) -> None:
+    """``<model>.json``, ``<model>.md`` and the PNG plot from the runs on disk; ``pruned_from``: the grid
+    whose pruned rows this one shows where it has none (:func:`borrow_pruned`)."""
     runs = load_runs(folder)
+    borrowed = borrow_pruned(runs, pruned_from) if pruned_from is not None and pruned_from.resolve() != folder.resolve() else []
+    borrowed.sort(key=lambda c: criteria.index(c) if c in criteria else len(criteria))
     rows, meta = table_rows(folder, n_boot, runs)
     if not rows:
         return
@@ -102,7 +126,8 @@ def render(folder: Path, criteria: list[str], variants: list[str], ratio: float,
                                   if (c, v) in made and "fidelity" not in made[(c, v)]],
             "selections": {c: sorted(json.loads((folder / c / "selection.json").read_text())["layers"])
                            for c in criteria if (folder / c / "selection.json").exists()},
-            "calib_text": sorted({_calib_text(r["config"]) for r in made.values()})}
+            "calib_text": sorted({_calib_text(r["config"]) for k, r in made.items() if k[1] != "pruned"}),
+            "pruned_from": {"grid": os.path.relpath(pruned_from), "criteria": borrowed} if borrowed else None}
     # The grid's own command is the original's; a grid whose maps were fitted on another text names it.
     if info["calib_text"] and info["calib_text"] != [_calib_text(orig["config"])] and info["command"]:
         info["command"] += f" --calib_source {','.join(info['calib_text'])} --out {os.path.relpath(folder.parent)}"
@@ -159,6 +184,9 @@ def markdown(rows: list[dict], info: dict, criteria: list[str], variants: list[s
                 gain = f"{100 * d['avg_diff']:+.1f} [{100 * d['avg_diff_ci'][0]:+.1f}, {100 * d['avg_diff_ci'][1]:+.1f}]"
             lines.append(f"| {crit} | {LABELS[v]} | {blocks_label(layers)} | " + " | ".join(cells(r)) + f" | {gain} | "
                          + " | ".join(fmt_ppl(r["ppl"][p]) for p in ppl_sets) + " |")
+    if info.get("pruned_from"):
+        lines += ["", f"Pruned rows ({', '.join(info['pruned_from']['criteria'])}): from `{info['pruned_from']['grid']}/`"
+                  " (pruning alone does not depend on the calibration text; the same docs and blocks)."]
     if info["pending"]:
         lines += ["", f"Pending: {len(info['pending'])} runs ({', '.join(info['pending'])})."]
     lines += ["", *closeness_table(rows, info, criteria, variants)]
