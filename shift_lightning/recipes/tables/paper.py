@@ -82,6 +82,10 @@ def table_rows(folder: Path, n_boot: int = 2000, runs: dict[tuple, dict] | None 
     return rows, boot.meta()
 
 
+#: The settings that decide what a row is scored on (docs, perplexity and closeness windows).
+_SCORED_ON = ("docs", "sample_seed", "ppl_sets", "ppl_windows", "seq_len", "kl", "kl_docs", "kl_topk")
+
+
 def borrow_pruned(runs: dict[tuple, dict], source: Path) -> list[str]:
     """Pruning alone does not depend on the calibration text, so a grid fitted on another text (which
     runs no ``pruned`` rows of its own) takes them from ``source``, the same model's grid, wherever that
@@ -90,7 +94,8 @@ def borrow_pruned(runs: dict[tuple, dict], source: Path) -> list[str]:
     mine, theirs = runs.get((None, "original")), load_runs(source) if source.is_dir() else {}
     other = theirs.get((None, "original"))
     if mine is None or other is None or mine["eval"] != other["eval"] or \
-            any(t.get("sampling") != other["tasks"].get(n, {}).get("sampling") for n, t in mine["tasks"].items()):
+            any(t.get("sampling") != other["tasks"].get(n, {}).get("sampling") for n, t in mine["tasks"].items()) or \
+            any(mine["config"].get(k) != other["config"].get(k) for k in _SCORED_ON):
         return []
     taken = []
     for (crit, v), r in list(runs.items()):
