@@ -4,6 +4,7 @@ float64 references, the ReplaceMe fold, save -> load round trips, and several ki
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
@@ -401,6 +402,25 @@ def test_guard_span_candidate_fits_the_whole_span_at_once(tiny):
     assert not torch.allclose(mod.correction("guarded").adapters[2](x), got(x), atol=1e-4)
     reports = mod.span_reports()  # the first requested guard's judgement, and both when there are two
     assert reports[0]["guard"] == pair and set(reports[0]["guards"]) == {"guarded", "guarded_span"}
+
+
+def test_lra_span_is_the_span_granularity_lra_fitted_beside_the_per_block_one(tiny):
+    """``lra_span`` fits one LRA per contiguous span in the same pass as the per-block ``lra``: the map
+    ``granularity: span`` gives the ``lra`` solver; at a two-block span not the merged per-block LRAs,
+    at a one-block span the same map."""
+    model, tok = tiny
+    win = _windows(tok, n=8)
+    cfg = CalibrationConfig(damping=1e-6)
+    both = _fit_cfg(model, [2, 3, 5], ["lra", "lra_span"], win, cfg)
+    alone = _fit_cfg(model, [2, 3, 5], ["lra"], win, replace(cfg, granularity="span"))
+    x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
+    got, want, merged = (m.correction(n).adapters for m, n in ((both, "lra_span"), (alone, "lra"), (both, "lra")))
+    assert set(got) == set(want) == set(merged) and len(got) == 2
+    pair, single = sorted(got)
+    for at in (pair, single):
+        assert_close(got[at](x), want[at](x), rtol=1e-8, atol=1e-8)
+    assert_close(got[single](x), merged[single](x), rtol=1e-8, atol=1e-8)
+    assert not torch.allclose(got[pair](x), merged[pair](x), atol=1e-6)
 
 
 def test_replaceme_cosine_follows_the_reference_recipe(tiny):

@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 
 #: The registered solvers (:mod:`shift_lightning.calibration.solvers`), as the config's choices.
 #: ``tests/test_structure.py`` checks that this list and the registry agree.
-SolverName = Literal["lra", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch", "lra_guard",
+SolverName = Literal["lra", "lra_span", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch", "lra_guard",
                      "guarded", "guarded_span"]
 
 
@@ -22,7 +22,8 @@ class CalibrationConfig:
     """How the maps that replace removed blocks are fitted."""
 
     solver: SolverName = "lra"
-    """The map: ``lra`` (y = x + xWᵀ + b, the paper's LRA), ``nobias`` (y = x + xWᵀ, Ghosted Layers),
+    """The map: ``lra`` (y = x + xWᵀ + b, the paper's LRA), ``lra_span`` (the LRA fitted once per
+    contiguous span, = ``lra`` with ``granularity: span``), ``nobias`` (y = x + xWᵀ, Ghosted Layers),
     ``affine`` (y = xAᵀ + c, no identity path; ablation), ``replaceme`` (ReplaceMe's least-squares map
     folded into the last kept block's MLP), ``replaceme_cosine`` (ReplaceMe's cosine-objective map,
     Adam on cached activations: its strongest training-free variant), ``linearpatch`` (LinearPatch's

@@ -79,9 +79,9 @@ class ReproduceConfig:
     """Perplexity sets (columns of the table; also closeness sets)."""
     criteria: list[str] = field(default_factory=lambda: list(CRITERIA_ORDER))
     """Criteria to run, in this order."""
-    variants: list[Literal["pruned", "lra", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch",
+    variants: list[Literal["pruned", "lra", "lra_span", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch",
                            "lra_guard", "guarded", "guarded_span"]] = field(default_factory=lambda: list(VARIANTS))
-    """Row variants per criterion (``guarded_span`` is opt-in: not among the defaults)."""
+    """Row variants per criterion (``lra_span`` and ``guarded_span`` are opt-in: not among the defaults)."""
     fill: Literal["all", "new", "closeness"] = "all"
     """``all``: missing runs, and closeness for finished runs that lack it; ``new``: missing runs only;
     ``closeness``: closeness for finished runs only."""

@@ -2,6 +2,9 @@
 
 * ``lra``: the paper's Linear Residual Adapter ``y = x + x Wᵀ + b``, ``Wᵀ = (XcᵀXc + λI)⁻¹ XcᵀΔc``;
   low rank with ``--calibration.rank``;
+* ``lra_span``: the same LRA fitted once per contiguous span, to the whole span's update ``h_end − x``
+  (what ``--calibration.granularity span`` gives the ``lra`` solver; a solver of its own so that one
+  calibration pass fits it beside the per-block LRAs, at the same cost);
 * ``nobias``: ``y = x + x Wᵀ`` (the closed-form ``I + M`` of Ghosted Layers, arXiv 2605.15491);
 * ``affine``: ``y = x Aᵀ + c`` fitted to the block output, no identity path (the paper's ablation);
 * ``lra_guard``: the LRA with its ridge strength chosen per site along ``λ·10^k`` by the relative
@@ -24,6 +27,13 @@ class LRA(Solver):
 
     def fit(self, stats: SiteStatistics) -> Solution:
         return ridge_solve(stats.io, self.cfg.damping, self.rank(stats.io.dim), "residual", bias=self.bias)
+
+
+@register
+class LRASpan(LRA):
+    name, label = "lra_span", "+LRA (one per span)"
+    per_span = True
+    sequential = False
 
 
 @register
