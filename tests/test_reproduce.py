@@ -303,6 +303,16 @@ def test_domain_comparison_of_two_grids(tmp_path):
     span_run = json.loads((tmp_path / "b" / "tiny" / "reverse_star" / "guarded_span.json").read_text())
     assert row["guards"]["guarded_span"]["chosen"] == [site["guard"]["chosen"] for site in span_run["sites"]]
     assert "The do-no-harm guard `guarded` (" in md and "The do-no-harm guard `guarded_span` (" in md
+    # the targets of another repair (a candidate default): counted from its own rows, in whichever grid has them
+    out = render_table(FidelityTableConfig(models=["tiny"], grids={"wiki": str(tmp_path / "a"), "mixed": str(tmp_path / "b")},
+                                           criteria=["reverse_star", "angular"], out=str(tmp_path / "fid_g"), n_boot=50,
+                                           repair="guarded_span"))
+    tg = json.loads(out.with_suffix(".json").read_text())["models"][0]["rows"][0]["targets"]
+    assert list(tg) == ["wiki", "mixed"] and tg["mixed"]["kl"] == span_run["kl"]
+    assert "guarded_span" not in tg["mixed"].get("guards", {}) and "guarded" in tg["mixed"]["guards"]
+    md_g = out.with_suffix(".md").read_text()
+    assert "Targets for the repair `guarded_span`" in md_g and "`guarded_span` against the better ReplaceMe" in md_g
+    assert "| top-1 tasks pruned → guarded_span |" in md_g
     # a grid without same-text ReplaceMe rows says so instead of counting "0 of 0"
     (tmp_path / "b" / "tiny" / "reverse_star" / "replaceme.json").unlink()
     out = render_table(FidelityTableConfig(models=["tiny"], grids={"wiki": str(tmp_path / "a"), "mixed": str(tmp_path / "b")},

@@ -1,6 +1,7 @@
 """Closeness to the original across the paper grids: the README's fidelity table and the targets.
 
     python -m shift_lightning.recipes.fidelity_table          # -> results/fidelity.{md,json}
+    python -m shift_lightning.recipes.fidelity_table --repair lra_span --out results/fidelity_lra_span
 
 Reads the run files of the wiki-calibrated grid (``results/paper``) and of the mixed-calibrated grid
 (``results/paper_mixed``) of every model and writes, per model, one row per criterion: KL(original ‖
@@ -36,7 +37,8 @@ log = logging.getLogger(__name__)
 #: The table's columns: (grid, variant, header).
 COLUMNS = (("wiki", "pruned", "pruned"), ("wiki", "lra", "+LRA"), ("wiki", "replaceme", "+ReplaceMe (LS)"),
            ("wiki", "replaceme_cosine", "+ReplaceMe (cosine)"), ("wiki", "guarded", "+guarded"),
-           ("mixed", "lra", "+LRA, mixed calib."), ("mixed", "replaceme", "+ReplaceMe (LS), mixed calib."),
+           ("mixed", "lra", "+LRA, mixed calib."), ("mixed", "lra_span", "+LRA per span, mixed calib."),
+           ("mixed", "replaceme", "+ReplaceMe (LS), mixed calib."),
            ("mixed", "replaceme_cosine", "+ReplaceMe (cosine), mixed calib."), ("mixed", "guarded", "+guarded, mixed calib."),
            ("mixed", "guarded_span", "+guarded (span LRA), mixed calib."))
 
@@ -218,10 +220,11 @@ def markdown(docs: list[dict], cfg: FidelityTableConfig) -> str:
     for doc in docs:
         sets = doc["sets"]
         lines += ["", f"## {doc['model']}", "",
-                  "| criterion | " + " | ".join(h for _, _, h in COLUMNS) + " | top-1 tasks pruned → +LRA |",
+                  "| criterion | " + " | ".join(h for _, _, h in COLUMNS) + f" | top-1 tasks pruned → {cfg.repair} |",
                   "|---|" + "---:|" * (len(COLUMNS) + 1)]
         for row in doc["rows"]:
-            p, lra = row["cells"].get("wiki:pruned"), row["cells"].get(f"wiki:{cfg.repair}")
+            p = row["cells"].get("wiki:pruned")
+            lra = next((row["cells"][f"{g}:{cfg.repair}"] for g in cfg.grids if f"{g}:{cfg.repair}" in row["cells"]), None)
             top1 = f"{100 * p['top1']['tasks']:.1f} → {100 * lra['top1']['tasks']:.1f}" if p and lra else "…"
             lines.append(f"| {row['criterion']} | " + " | ".join(_cell(row, g, v, sets) for g, v, _ in COLUMNS)
                          + f" | {top1} |")
