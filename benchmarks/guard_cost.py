@@ -1,12 +1,12 @@
-"""What the KL guard costs: calibration time with ``--calibration.solver guarded`` against the plain LRA.
+"""What the repairs cost to calibrate: time with each ``--calibration.solver`` against the plain LRA.
 
-    python benchmarks/guard_cost.py --model smollm2-135m --out results/bench/guard_cost_smollm2
+    python benchmarks/guard_cost.py --model smollm2-135m --solvers lra,lra_span,guarded --out results/bench/guard_cost_smollm2
 
 Per criterion (the paper grid's 25 % blocks), the same 64 × 512 calibration windows, one thread, the
-two solvers timed in alternation (``--repeats`` each; medians): the LRA's one statistics pass + solve,
-and the guard's (the pass with held-out copies, the candidates' solves, the judge pass over the
-held-out windows: one original forward and, per span, one run per candidate from the block before
-the span, then the refit). Also reports what the guard chose.
+solvers timed in alternation (``--repeats`` each; medians): the LRA's one statistics pass + solve, the
+span LRA's (the same pass, one fit per contiguous span), and a guard's (the pass with held-out copies,
+the candidates' solves, the judge pass over the held-out windows: one original forward and, per span,
+one run per candidate from the block before the span, then the refit). Also reports what a guard chose.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import _common as C
 import torch  # noqa: E402
 
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule  # noqa: E402
+from shift_lightning.calibration.sites import make_sites  # noqa: E402
 from shift_lightning.criteria import PruneConfig  # noqa: E402
 from shift_lightning.data import TextDataConfig, build_windows  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
@@ -31,6 +32,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--criteria", default="reverse_star,angular,taylor")
+    ap.add_argument("--solvers", default="lra,guarded", help="comma-separated; the first is the reference")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default="results/bench/guard_cost_smollm2")
     a = ap.parse_args(argv)
@@ -46,30 +48,36 @@ def main(argv=None):
     for crit in a.criteria.split(","):
         windows = calib if crit == "linear_fit" else select
         layers = select_blocks(PruneConfig(ratio=0.25, criterion=crit), model, windows, lambda: trainer).layers
-        times = {"lra": [], "guarded": []}
-        chosen = None
+        solvers = a.solvers.split(",")
+        times = {s: [] for s in solvers}
+        chosen = {}
         for _ in range(a.repeats):
-            for solver in ("lra", "guarded"):
+            for solver in solvers:
                 m = copy.deepcopy(model)
                 t0 = time.perf_counter()
                 mod = CalibrationModule(m, layers, CalibrationConfig(solver=solver, heldout=False))
                 mod.calibrate(trainer, calib, batch_size=4)
                 times[solver].append(time.perf_counter() - t0)
-                if solver == "guarded":
-                    chosen = [mod.reports[s.key]["guards"]["guarded"]["chosen"] for s in mod.spans]
+                if solver.startswith("guarded"):
+                    chosen[solver] = [mod.reports[s.key]["guards"][solver]["chosen"] for s in mod.spans]
         med = {k: statistics.median(v) for k, v in times.items()}
-        rows.append({"criterion": crit, "pruned_layers": layers, "spans": len(chosen), "seconds": med,
-                     "runs": times, "ratio": med["guarded"] / med["lra"], "chosen": chosen})
+        rows.append({"criterion": crit, "pruned_layers": layers, "spans": len(make_sites(layers, "span")),
+                     "seconds": med, "runs": times, "ratio": {k: med[k] / med[solvers[0]] for k in solvers[1:]},
+                     "chosen": chosen})
         print(rows[-1], flush=True)
     doc = {"command": "python benchmarks/guard_cost.py " + " ".join(f"--{k} {v}" for k, v in vars(a).items()),
            "model": a.model, "machine": C.machine(torch.device("cpu")), "rows": rows}
     write_json_atomic(a.out + ".json", doc)
-    md = [f"# The KL guard's calibration cost: {a.model}", "", f"`{doc['command']}` (medians of {a.repeats}; "
+    ref, rest = solvers[0], solvers[1:]
+    md = [f"# Calibration cost of each repair: {a.model}", "", f"`{doc['command']}` (medians of {a.repeats}; "
           "64 × 512 calibration tokens; 1 thread)", "",
-          "| criterion | spans | LRA s | guarded s | guarded ÷ LRA | chosen per span |", "|---|---:|---:|---:|---:|---|"]
+          "| criterion | spans | " + " | ".join(f"{s} s" for s in solvers) + " | "
+          + " | ".join(f"{s} ÷ {ref}" for s in rest) + " | chosen per span |",
+          "|---|---:|" + "---:|" * (len(solvers) + len(rest)) + "---|"]
     for r in rows:
-        md.append(f"| {r['criterion']} | {r['spans']} | {r['seconds']['lra']:.1f} | {r['seconds']['guarded']:.1f} | "
-                  f"{r['ratio']:.2f} | {', '.join(r['chosen'])} |")
+        md.append(f"| {r['criterion']} | {r['spans']} | " + " | ".join(f"{r['seconds'][s]:.1f}" for s in solvers) + " | "
+                  + " | ".join(f"{r['ratio'][s]:.2f}" for s in rest) + " | "
+                  + ("; ".join(f"{g}: {', '.join(c)}" for g, c in r["chosen"].items()) or "–") + " |")
     write_text_atomic(a.out + ".md", "\n".join(md) + "\n")
     print("\n".join(md))
 
