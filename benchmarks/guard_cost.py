@@ -44,11 +44,10 @@ def main(argv=None):
 
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, inference_mode=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
-    rows = []
+    rows, solvers = [], a.solvers.split(",")
     for crit in a.criteria.split(","):
         windows = calib if crit == "linear_fit" else select
         layers = select_blocks(PruneConfig(ratio=0.25, criterion=crit), model, windows, lambda: trainer).layers
-        solvers = a.solvers.split(",")
         times = {s: [] for s in solvers}
         chosen = {}
         for _ in range(a.repeats):
