@@ -119,6 +119,35 @@ def test_sequential_mode_sees_corrected_hidden_states(tiny64):
     assert_close(ind.solution(ind.sites[0]).W, mod.solution(mod.sites[0]).W)  # first site identical
 
 
+def test_anchored_mode_fits_the_corrected_states_to_the_originals(tiny64):
+    """``mode: anchored``: site 1 (block 3) maps the corrected pruned model's state entering it to the
+    ORIGINAL model's state after block 3 (so it also undoes the drift site 0 and block 2 left); with
+    blocks 1 and 3 removed that differs from the sequential fit, whose target is block 3 run on the
+    drifted state. Site 0 sees no earlier drift: all three modes agree there."""
+    win = _windows(tiny64[1])
+    fits = {}
+    for mode in ("anchored", "sequential"):
+        fits[mode] = CalibrationModule(copy.deepcopy(tiny64[0]), [1, 3], CalibrationConfig(mode=mode, damping=1e-3))
+        fits[mode].calibrate(_trainer(), win)
+    mod = fits["anchored"]
+    ref = copy.deepcopy(tiny64[0])
+    remove_blocks(ref, [1])
+    attach_adapters(ref, {1: copy.deepcopy(mod.adapter("lra", mod.sites[0]))})
+    x, _ = _capture(ref, win, 2, 3)  # original block 3 is the one-block-pruned model's block 2
+    xo, do = _capture(tiny64[0], win, 3, 4)
+    W, b = _ridge(x, xo + do - x, 1e-3)  # target: the original's output of block 3
+    assert_close(mod.solution(mod.sites[1]).W, W, rtol=1e-8, atol=1e-10)
+    assert_close(mod.solution(mod.sites[1]).b, b, rtol=1e-8, atol=1e-10)
+    seq = fits["sequential"]
+    assert not torch.allclose(seq.solution(seq.sites[1]).W, mod.solution(mod.sites[1]).W, atol=1e-6)
+    assert_close(seq.solution(seq.sites[0]).W, mod.solution(mod.sites[0]).W)
+    # errors on other windows are measured against the same (anchored) target: on the fitting windows
+    # themselves they reproduce the fit's own error
+    mod.measure(_trainer(), win, key="again")
+    for s in mod.sites:
+        assert mod.reports[s.key]["again_rel_error"] == pytest.approx(mod.reports[s.key]["calib_rel_error"], rel=1e-9)
+
+
 def test_merged_adapters_equal_the_chain(tiny64):
     model, tok = tiny64
     win = _windows(tok)
@@ -270,6 +299,7 @@ def _cli(*args, world=1, env_extra=None):
     [],
     ["--calibration.mode", "sequential", "--calibration.rank", "8", "--prune.layers", "null",
      "--prune.criterion", "angular", "--prune.ratio", "0.5"],  # data-driven selection under DDP too
+    ["--calibration.mode", "anchored", "--calibration.granularity", "block", "--prune.layers", "[1, 3, 4]"],
 ])
 def test_ddp_two_processes_match_one(tmp_path, extra):
     _cli("--output_dir", str(tmp_path / "one"), *extra)

@@ -32,9 +32,10 @@ class CalibrationConfig:
     no bias / ReplaceMe that keeps the model closest to the original on held-out calibration
     windows, by next-token KL), ``guarded_span`` (the same guard, with one LRA fitted to each whole span
     of two or more blocks as one more candidate)."""
-    mode: Literal["independent", "sequential"] = "independent"
-    """``independent`` (one pass of the original model) or ``sequential`` (each site sees the
-    corrected pruned model's hidden states; about one pass in all, block by block)."""
+    mode: Literal["independent", "sequential", "anchored"] = "independent"
+    """``independent`` (one pass of the original model), ``sequential`` (each site sees the corrected
+    pruned model's hidden states; about one pass in all, block by block) or ``anchored`` (sequential, and
+    each site fitted to the original model's state at its end, so that it also undoes earlier drift)."""
     granularity: Literal["block", "span"] = "block"
     """``block``: one map per removed block (merged afterwards); ``span``: one per contiguous run."""
     rank: int | None = None

@@ -68,8 +68,8 @@ class CalibrationModule(DataPass):
         for name in self.requested:
             for inner in self.solvers[name].wraps:
                 self.solvers.setdefault(inner, get_solver(inner, cfg))
-        if cfg.mode == "sequential" and (len(self.requested) > 1 or not self.solvers[self.requested[0]].sequential):
-            raise ConfigError("--calibration.mode sequential fits one solver of the LRA family (lra, nobias, affine); "
+        if cfg.mode != "independent" and (len(self.requested) > 1 or not self.solvers[self.requested[0]].sequential):
+            raise ConfigError(f"--calibration.mode {cfg.mode} fits one solver of the LRA family (lra, nobias, affine); "
                               "the others are fitted on the original model (independent)")
         self.removed = sorted(removed)
         self.num_layers = len(decoder_layers(model))  # the original depth (the model may be pruned later)
@@ -132,7 +132,7 @@ class CalibrationModule(DataPass):
         return self._collector.stats
 
     def _sequential(self, trainer, windows, batch_size, on_site, stage):
-        self._walk = SequentialWalk(self.model, self.sites, self.dim, self.cfg.accum_dtype)
+        self._walk = SequentialWalk(self.model, self.sites, self.dim, self.cfg.accum_dtype, self.cfg.mode == "anchored")
         self._on_site, self.stage = on_site, stage
         try:
             self.run(trainer, windows, batch_size)
@@ -174,7 +174,7 @@ class CalibrationModule(DataPass):
                 self._store(solver, site, sol, stats)
                 return self.adapter(solver.name, site)
 
-            self._sequential(trainer, windows, batch_size, fit_site, "calibration statistics (sequential)")
+            self._sequential(trainer, windows, batch_size, fit_site, f"calibration statistics ({self.cfg.mode})")
         self.solve_seconds = time.time() - t0
         if heldout is not None and len(heldout):
             self.measure(trainer, heldout, batch_size, key="heldout")
@@ -293,7 +293,7 @@ class CalibrationModule(DataPass):
     def measure(self, trainer: L.Trainer, windows: TokenWindows, batch_size: int = 4, key: str = "heldout") -> None:
         """Relative residual error ``‖Δ − Δ̂‖² / ‖Δ‖²`` of the solved maps on other windows, per site
         and (several solvers or per-span ones) of each solver's whole-span map per span."""
-        if self.cfg.mode == "sequential":
+        if self.cfg.mode != "independent":
             name = self.primary
 
             def measure_site(site, stats):
@@ -301,7 +301,7 @@ class CalibrationModule(DataPass):
                 self._record(site, name, key, stats.io.relative_error(Wd, bd), stats.io.num_tokens)
                 return self.adapter(name, site)
 
-            self._sequential(trainer, windows, batch_size, measure_site, "held-out errors (sequential)")
+            self._sequential(trainer, windows, batch_size, measure_site, f"held-out errors ({self.cfg.mode})")
             return
         branch = any(s.placement == "branch" for s in self.solvers.values())
         span_level = len(self.requested) > 1 or any(self.solvers[n].per_span for n in self.requested)

@@ -8,6 +8,13 @@ stood in for by :class:`_Recorder`, which stops the forward after the last site)
 the states; a site accumulates its ``(x, Δ)`` statistics (one all-reduce per site, each depending on
 the previous solution), is solved, and its adapter updates the states. About one forward pass up to
 the last site in all, not one per site.
+
+``anchored`` (``--calibration.mode anchored``) also carries the original model's states through the
+same walk (every block, removed ones included) and fits each site to where the *original* is at the
+site's end: ``Δ = h_end(original) − x(corrected pruned)``, not the removed blocks' update on the drifted
+states. A site's map then also undoes the drift the earlier sites and the kept blocks between them
+left. With one site (or before the first) it is the independent fit; it costs the kept blocks between
+the first and the last site a second time, and a second cached state per batch.
 """
 
 from __future__ import annotations
@@ -42,8 +49,9 @@ class _Recorder(nn.Module):
 class SequentialWalk:
     """Cached batches and the block-by-block walk over them (see the module doc)."""
 
-    def __init__(self, model: nn.Module, sites: list[Site], dim: int, accum_dtype: str):
+    def __init__(self, model: nn.Module, sites: list[Site], dim: int, accum_dtype: str, anchored: bool = False):
         self.model, self.sites, self.dim, self.accum = model, sorted(sites, key=lambda s: s.start), dim, accum_dtype
+        self.anchored = anchored
         self.cached: list[dict] = []
 
     @torch.no_grad()
@@ -56,7 +64,8 @@ class SequentialWalk:
                 self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
             except StopForward:
                 pass
-        self.cached.append({"h": sink.pop("h"), "calls": sink, "mask": mask})
+        h = sink.pop("h")
+        self.cached.append({"h": h, "o": h, "calls": sink, "mask": mask})  # o: the original's states (anchored)
 
     @torch.no_grad()
     def walk(self, device, on_site: Callable[[Site, SiteStatistics], nn.Module],
@@ -76,16 +85,20 @@ class SequentialWalk:
             if site is None:
                 for e in self.cached:
                     e["h"] = run_block(j, e, e["h"])
+                    if self.anchored:
+                        e["o"] = run_block(j, e, e["o"])
                 j += 1
                 continue
             flat = torch.zeros(RidgeStats.numel(self.dim), dtype=torch.float64, device=device)
             stats = SiteStatistics(site, io=RidgeStats(self.dim, site.name, accum_dtype=self.accum, buffer=flat))
             for e in self.cached:
-                x, y = e["h"], e["h"]
+                x, y = e["h"], e["o"] if self.anchored else e["h"]
                 for i in range(site.start, site.end):
                     y = run_block(i, e, y)
                 m = e["mask"]
                 stats.io.add_batch(x[m], (y - x)[m])
+                if self.anchored:
+                    e["o"] = y
             reduce([flat])
             adapter = on_site(site, stats).to(device)
             for e in self.cached:
