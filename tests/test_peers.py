@@ -17,6 +17,7 @@ from shift_lightning import load_pretrained
 from shift_lightning.arch import decoder_layers, mlp_branch
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.data import TextDataConfig, build_windows
+from shift_lightning.errors import ConfigError
 from shift_lightning.models import build_tiny_model
 from shift_lightning.peers import fold_replaceme, hadamard, linearpatch_matrix
 from shift_lightning.checkpoint import save_pretrained
@@ -421,6 +422,28 @@ def test_lra_span_is_the_span_granularity_lra_fitted_beside_the_per_block_one(ti
         assert_close(got[at](x), want[at](x), rtol=1e-8, atol=1e-8)
     assert_close(got[single](x), merged[single](x), rtol=1e-8, atol=1e-8)
     assert not torch.allclose(got[pair](x), merged[pair](x), atol=1e-6)
+
+
+def test_lra_anchored_is_the_span_lra_fitted_in_anchored_mode(tiny):
+    """``lra_anchored`` is ``lra`` with ``granularity: span, mode: anchored`` (one LRA per span, each fitted
+    to the original's state at its end); it refuses any other mode, naming the fix. At the second span
+    (blocks 5) it differs from the independent span LRA; at the first it is the same map."""
+    model, tok = tiny
+    win = _windows(tok, n=8)
+    cfg = CalibrationConfig(damping=1e-6, mode="anchored")
+    named = _fit_cfg(model, [2, 3, 5], ["lra_anchored"], win, cfg)
+    alias = _fit_cfg(model, [2, 3, 5], ["lra"], win, replace(cfg, granularity="span"))
+    span = _fit_cfg(model, [2, 3, 5], ["lra_span"], win, CalibrationConfig(damping=1e-6))
+    x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
+    got, want, plain = (m.correction(n).adapters for m, n in ((named, "lra_anchored"), (alias, "lra"), (span, "lra_span")))
+    assert set(got) == set(want) == set(plain) and len(got) == 2
+    first, second = sorted(got)
+    for at in (first, second):
+        assert_close(got[at](x), want[at](x), rtol=1e-8, atol=1e-8)
+    assert_close(got[first](x), plain[first](x), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got[second](x), plain[second](x), atol=1e-6)
+    with pytest.raises(ConfigError, match="lra_anchored.*--calibration.mode anchored"):
+        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_anchored"))
 
 
 def test_replaceme_cosine_follows_the_reference_recipe(tiny):

@@ -8,6 +8,8 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from shift_lightning.calibration import CalibrationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,6 +223,22 @@ def test_fidelity_sweep_reuses_the_grid_and_plots_kl_against_blocks_removed(tmp_
     reused = next(p for p in doc["points"] if p["criterion"] == "reverse_star" and p["ratio"] == 0.25
                   and p["repair"] == "guarded")
     assert next(r for r in md if r.startswith("| reverse_star | 0.25 |")).endswith(f"| {', '.join(reused['maps'])} |")
+
+
+def test_anchored_rows_take_a_pass_of_their_own(tmp_path):
+    """``lra_anchored`` beside ``lra_span`` in one grid: fitted in a second (anchored) pass. Under
+    reverse_star (one span, nothing before it to undo) the two maps are the same, so are their rows."""
+    from shift_lightning.recipes.reproduce import run
+
+    folder = run(_tiny_grid(tmp_path, criteria=["reverse_star"], variants=["pruned", "lra_span", "lra_anchored"],
+                            out=str(tmp_path / "g"), calib_samples=8))
+    rows = {v: json.loads((folder / "reverse_star" / f"{v}.json").read_text()) for v in ("lra_span", "lra_anchored")}
+    assert rows["lra_anchored"]["solver"] == "lra_anchored" and rows["lra_anchored"]["sites"][0]["map"]
+    for ppl_set, e in rows["lra_span"]["perplexity"].items():
+        assert rows["lra_anchored"]["perplexity"][ppl_set]["ppl"] == pytest.approx(e["ppl"], rel=1e-5)
+    for kl_set, v in rows["lra_span"]["kl"].items():
+        assert rows["lra_anchored"]["kl"][kl_set] == pytest.approx(v, rel=1e-4, abs=1e-7)
+    assert "+LRA per span, anchored" in (tmp_path / "g" / "tiny.md").read_text()
 
 
 def test_domain_comparison_of_two_grids(tmp_path):

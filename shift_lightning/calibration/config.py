@@ -13,8 +13,8 @@ log = logging.getLogger(__name__)
 
 #: The registered solvers (:mod:`shift_lightning.calibration.solvers`), as the config's choices.
 #: ``tests/test_structure.py`` checks that this list and the registry agree.
-SolverName = Literal["lra", "lra_span", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch", "lra_guard",
-                     "guarded", "guarded_span"]
+SolverName = Literal["lra", "lra_span", "lra_anchored", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch",
+                     "lra_guard", "guarded", "guarded_span"]
 
 
 @dataclass
@@ -23,7 +23,8 @@ class CalibrationConfig:
 
     solver: SolverName = "lra"
     """The map: ``lra`` (y = x + xWᵀ + b, the paper's LRA), ``lra_span`` (the LRA fitted once per
-    contiguous span, = ``lra`` with ``granularity: span``), ``nobias`` (y = x + xWᵀ, Ghosted Layers),
+    contiguous span, = ``lra`` with ``granularity: span``), ``lra_anchored`` (the span LRA fitted in
+    ``mode: anchored``, to the original's state at the span's end), ``nobias`` (y = x + xWᵀ, Ghosted Layers),
     ``affine`` (y = xAᵀ + c, no identity path; ablation), ``replaceme`` (ReplaceMe's least-squares map
     folded into the last kept block's MLP), ``replaceme_cosine`` (ReplaceMe's cosine-objective map,
     Adam on cached activations: its strongest training-free variant), ``linearpatch`` (LinearPatch's

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 COLUMNS = (("wiki", "pruned", "pruned"), ("wiki", "lra", "+LRA"), ("wiki", "replaceme", "+ReplaceMe (LS)"),
            ("wiki", "replaceme_cosine", "+ReplaceMe (cosine)"), ("wiki", "guarded", "+guarded"),
            ("mixed", "lra", "+LRA, mixed calib."), ("mixed", "lra_span", "+LRA per span, mixed calib."),
+           ("mixed", "lra_anchored", "+LRA per span, anchored, mixed calib."),
            ("mixed", "replaceme", "+ReplaceMe (LS), mixed calib."),
            ("mixed", "replaceme_cosine", "+ReplaceMe (cosine), mixed calib."), ("mixed", "guarded", "+guarded, mixed calib."),
            ("mixed", "guarded_span", "+guarded (span LRA), mixed calib."))

@@ -27,13 +27,13 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from ..calibration import CalibrationConfig, CalibrationModule
+from ..calibration import SOLVERS, CalibrationConfig, CalibrationModule
 from ..criteria import PruneConfig
 from ..errors import ConfigError
 from ..evaluation.runner import EvalConfig
@@ -79,9 +79,10 @@ class ReproduceConfig:
     """Perplexity sets (columns of the table; also closeness sets)."""
     criteria: list[str] = field(default_factory=lambda: list(CRITERIA_ORDER))
     """Criteria to run, in this order."""
-    variants: list[Literal["pruned", "lra", "lra_span", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch",
+    variants: list[Literal["pruned", "lra", "lra_span", "lra_anchored", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch",
                            "lra_guard", "guarded", "guarded_span"]] = field(default_factory=lambda: list(VARIANTS))
-    """Row variants per criterion (``lra_span`` and ``guarded_span`` are opt-in: not among the defaults)."""
+    """Row variants per criterion (``lra_span``, ``lra_anchored`` and ``guarded_span`` are opt-in: not among the
+    defaults; ``lra_anchored`` takes a calibration pass of its own, in ``mode: anchored``)."""
     fill: Literal["all", "new", "closeness"] = "all"
     """``all``: missing runs, and closeness for finished runs that lack it; ``new``: missing runs only;
     ``closeness``: closeness for finished runs only."""
@@ -301,13 +302,18 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
     model = copy.deepcopy(ctx.model)
     solvers = [v for v in new + old if v != "pruned"]
     t0 = time.time()
-    module = None
+    modules: dict[str, CalibrationModule] = {}  # solver -> the module that fitted it
     if solvers:
         calib = ctx.windows(cfg.calib_samples, cfg.seq_len, source=cfg.calib_source)
         heldout = ctx.windows(cfg.heldout_samples, cfg.seq_len, split="heldout")
-        module = CalibrationModule(model, layers, CalibrationConfig(damping=cfg.damping, guard_every=cfg.guard_every),
-                                   solvers=solvers)
-        module.calibrate(ctx.make_trainer(), calib, heldout, batch_size=4)
+        base = CalibrationConfig(damping=cfg.damping, guard_every=cfg.guard_every)
+        by_mode: dict[str, list[str]] = {}  # one pass per calibration mode a solver is defined by
+        for v in solvers:
+            by_mode.setdefault(SOLVERS[v].mode or "independent", []).append(v)
+        for mode, names in by_mode.items():
+            module = CalibrationModule(model, layers, replace(base, mode=mode), solvers=names)
+            module.calibrate(ctx.make_trainer(), calib, heldout, batch_size=4)
+            modules.update(dict.fromkeys(names, module))
     cal_seconds = time.time() - t0
     n_layers = ctx.num_layers
     remove_blocks(model, layers)
@@ -317,7 +323,7 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
     order = sorted(new + old, key=lambda v: (v != "pruned", v in new))
     for i, variant in enumerate(order):
         name = f"{crit}/{variant}"
-        correction = module.correction(variant) if variant != "pruned" else None
+        correction = modules[variant].correction(variant) if variant != "pruned" else None
         t1 = time.time()
         with harness.corrected(model, correction, n_layers, layers):
             res = ctx.evaluate(model, cache, record=i == 0, tasks=variant in new)
@@ -327,7 +333,7 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
             continue
         doc = {**ctx.meta, "criterion": crit, "variant": variant, "solver": None if variant == "pruned" else variant,
                "pruned_layers": layers, "params": params, "correction_params": params - base_params,
-               **harness.row_doc(res), "sites": _site_errors(module, variant) if correction is not None else [],
+               **harness.row_doc(res), "sites": _site_errors(modules[variant], variant) if correction is not None else [],
                "notes": correction.notes if correction is not None else [],
                "seconds": {"calibration_all_solvers": cal_seconds, "evaluation": time.time() - t1},
                "trunk_cache": {"depth": cache.depth, "hits": cache.hits, "misses": cache.misses,

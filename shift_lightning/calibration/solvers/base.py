@@ -52,7 +52,9 @@ class Solver:
     holdout: ClassVar[bool] = False
     """Needs held-out copies of its statistics (every ``guard_every``-th window)."""
     sequential: ClassVar[bool] = False
-    """Can be fitted in ``--calibration.mode sequential``."""
+    """Can be fitted in ``--calibration.mode sequential`` (and ``anchored``)."""
+    mode: ClassVar[str | None] = None
+    """The ``--calibration.mode`` this solver is defined by (None: any it supports)."""
     low_rank: ClassVar[bool] = False
     """Honours ``--calibration.rank``."""
     wraps: ClassVar[tuple[str, ...]] = ()
@@ -63,6 +65,9 @@ class Solver:
         self.device = None  # where iterative solvers run (set by the module)
         if cfg.rank is not None and not self.low_rank:
             raise ConfigError(f"--calibration.rank applies to the lra / nobias solvers, not to {self.name!r}")
+        if self.mode is not None and cfg.mode != self.mode:
+            raise ConfigError(f"solver {self.name!r} is fitted in --calibration.mode {self.mode}, got {cfg.mode!r}: "
+                              f"set --calibration.mode {self.mode}")
 
     def rank(self, dim: int) -> int | None:
         """The rank of a low-rank fit (None: full rank)."""

@@ -5,6 +5,9 @@
 * ``lra_span``: the same LRA fitted once per contiguous span, to the whole span's update ``h_end − x``
   (what ``--calibration.granularity span`` gives the ``lra`` solver; a solver of its own so that one
   calibration pass fits it beside the per-block LRAs, at the same cost);
+* ``lra_anchored``: the span LRA fitted in ``--calibration.mode anchored``: on the corrected pruned
+  model's state entering the span, to the ORIGINAL's state at its end (= ``lra`` with ``granularity:
+  span`` and ``mode: anchored``; a name of its own so that a grid can run it as a row);
 * ``nobias``: ``y = x + x Wᵀ`` (the closed-form ``I + M`` of Ghosted Layers, arXiv 2605.15491);
 * ``affine``: ``y = x Aᵀ + c`` fitted to the block output, no identity path (the paper's ablation);
 * ``lra_guard``: the LRA with its ridge strength chosen per site along ``λ·10^k`` by the relative
@@ -34,6 +37,13 @@ class LRASpan(LRA):
     name, label = "lra_span", "+LRA (one per span)"
     per_span = True
     sequential = False
+
+
+@register
+class LRAAnchored(LRA):
+    name, label = "lra_anchored", "+LRA per span, anchored"
+    per_span = True
+    mode = "anchored"
 
 
 @register
