@@ -73,6 +73,9 @@ def main(argv=None):
     done = json.loads(out.with_suffix(".json").read_text())["rows"] if out.with_suffix(".json").exists() else []
     rows = list(done)
     seen = {(r["criterion"], r["granularity"], r["mode"]) for r in rows}
+    doc = {"command": "python benchmarks/anchored_check.py " + " ".join(f"--{k} {v}" for k, v in vars(a).items()),
+           "model": a.model, "machine": C.machine(torch.device("cpu")), "fit_windows": len(fit),
+           "judge_windows": len(judge), "rows": rows}
     L_ = model.config.num_hidden_layers
     for crit in a.criteria.split(","):
         sel = json.loads((Path(a.grid) / a.model / crit / "selection.json").read_text())
@@ -92,9 +95,7 @@ def main(argv=None):
                 rows.append({"criterion": crit, "pruned_layers": layers, "spans": len(make_sites(layers, "span")),
                              "granularity": gran, "mode": mode, "kl": kl, "top1": top1, "seconds": secs})
                 print(rows[-1], flush=True)
-                doc = {"command": "python benchmarks/anchored_check.py " + " ".join(f"--{k} {v}" for k, v in vars(a).items()),
-                       "model": a.model, "machine": C.machine(torch.device("cpu")), "fit_windows": len(fit),
-                       "judge_windows": len(judge), "rows": rows}
+                doc["rows"] = rows
                 write_json_atomic(str(out.with_suffix(".json")), doc)
                 del m, mod
     md = [f"# Calibration mode vs closeness on held-out calibration windows: {a.model}", "",

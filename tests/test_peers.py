@@ -427,7 +427,7 @@ def test_lra_span_is_the_span_granularity_lra_fitted_beside_the_per_block_one(ti
 def test_lra_anchored_is_the_span_lra_fitted_in_anchored_mode(tiny):
     """``lra_anchored`` is ``lra`` with ``granularity: span, mode: anchored`` (one LRA per span, each fitted
     to the original's state at its end); it refuses any other mode, naming the fix. At the second span
-    (blocks 5) it differs from the independent span LRA; at the first it is the same map."""
+    (block 5) it differs from the independent span LRA; at the first it is the same map."""
     model, tok = tiny
     win = _windows(tok, n=8)
     cfg = CalibrationConfig(damping=1e-6, mode="anchored")
