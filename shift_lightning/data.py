@@ -91,6 +91,20 @@ def check_seq_len(model, seq_len: int, option: str = "--data.seq_len") -> None:
                         f"config.max_position_embeddings); set {option} {n} or lower")
 
 
+def check_windows(model, windows: "TokenWindows", option: str = "--data", fitting: bool = True) -> None:
+    """Before any pass: refuse windows longer than the model's maximum positions, and warn when
+    ``fitting`` windows give a site fewer tokens than the ``d + 1`` unknowns of each output of its
+    map (the fit is then underdetermined: only the damping makes it unique)."""
+    longest = int(windows.attention_mask.sum(1).max()) if len(windows) else 0  # padding has no position
+    check_seq_len(model, longest, f"{option}.seq_len")
+    d = model.config.hidden_size
+    if fitting and windows.num_tokens < d + 1:
+        log.warning("Calibration gives each site %d tokens, fewer than the d + 1 = %d unknowns per output of its "
+                    "map: the fit is underdetermined (only the damping makes it unique). Raise %s.num_samples / "
+                    "%s.seq_len to at least %d tokens (ideally many times more).", windows.num_tokens, d + 1,
+                    option, option, d + 1)
+
+
 def wants_bos(tokenizer, model_type: str | None = None, add_bos: str | bool = "auto") -> bool:
     """Whether windows should start with BOS: the tokenizer adds it itself, or the model is Gemma."""
     if isinstance(add_bos, bool) or add_bos in ("true", "false"):

@@ -225,20 +225,29 @@ def test_fidelity_sweep_reuses_the_grid_and_plots_kl_against_blocks_removed(tmp_
     assert next(r for r in md if r.startswith("| reverse_star | 0.25 |")).endswith(f"| {', '.join(reused['maps'])} |")
 
 
-def test_anchored_rows_take_a_pass_of_their_own(tmp_path):
-    """``lra_anchored`` beside ``lra_span`` in one grid: fitted in a second (anchored) pass. Under
-    reverse_star (one span, nothing before it to undo) the two maps are the same, so are their rows."""
+def test_anchored_and_auto_rows_take_passes_of_their_own(tmp_path):
+    """``lra_anchored`` and ``lra_auto`` beside ``lra`` and ``lra_span`` in one grid: each fitted in a pass
+    of its own mode. Under reverse_star (one span, nothing before it to undo) the anchored map is the
+    span LRA, so are their rows; ``lra_auto`` records its held-out judgement and its row is the row of
+    the fit it chose (the per-block LRA, or the span LRA, which the three span fits equal here)."""
     from shift_lightning.recipes.reproduce import run
 
-    folder = run(_tiny_grid(tmp_path, criteria=["reverse_star"], variants=["pruned", "lra_span", "lra_anchored"],
-                            out=str(tmp_path / "g"), calib_samples=8))
-    rows = {v: json.loads((folder / "reverse_star" / f"{v}.json").read_text()) for v in ("lra_span", "lra_anchored")}
+    variants = ["pruned", "lra", "lra_span", "lra_anchored", "lra_auto"]
+    folder = run(_tiny_grid(tmp_path, criteria=["reverse_star"], variants=variants, out=str(tmp_path / "g"),
+                            calib_samples=8))
+    rows = {v: json.loads((folder / "reverse_star" / f"{v}.json").read_text()) for v in variants[1:]}
     assert rows["lra_anchored"]["solver"] == "lra_anchored" and rows["lra_anchored"]["sites"][0]["map"]
-    for ppl_set, e in rows["lra_span"]["perplexity"].items():
-        assert rows["lra_anchored"]["perplexity"][ppl_set]["ppl"] == pytest.approx(e["ppl"], rel=1e-5)
-    for kl_set, v in rows["lra_span"]["kl"].items():
-        assert rows["lra_anchored"]["kl"][kl_set] == pytest.approx(v, rel=1e-4, abs=1e-7)
-    assert "+LRA per span, anchored" in (tmp_path / "g" / "tiny.md").read_text()
+    choice = rows["lra_auto"]["fit_choice"]
+    assert set(choice["kl"]) == {"lra", "lra_span", "lra_sequential", "lra_anchored"} and choice["held_out_windows"] == 2
+    same = "lra" if choice["chosen"] == "lra" else "lra_span"
+    assert rows["lra_auto"]["sites"][0]["map"] == choice["chosen"]
+    for a, b in (("lra_anchored", "lra_span"), ("lra_auto", same)):
+        for ppl_set, e in rows[b]["perplexity"].items():
+            assert rows[a]["perplexity"][ppl_set]["ppl"] == pytest.approx(e["ppl"], rel=1e-5)
+        for kl_set, v in rows[b]["kl"].items():
+            assert rows[a]["kl"][kl_set] == pytest.approx(v, rel=1e-4, abs=1e-7)
+    md = (tmp_path / "g" / "tiny.md").read_text()
+    assert "+LRA per span, anchored" in md and "+LRA, fit chosen on held-out KL" in md
 
 
 def test_domain_comparison_of_two_grids(tmp_path):

@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 
 #: The registered solvers (:mod:`shift_lightning.calibration.solvers`), as the config's choices.
 #: ``tests/test_structure.py`` checks that this list and the registry agree.
-SolverName = Literal["lra", "lra_span", "lra_anchored", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch",
+SolverName = Literal["lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch",
                      "lra_guard", "guarded", "guarded_span"]
 
 
@@ -24,7 +24,9 @@ class CalibrationConfig:
     solver: SolverName = "lra"
     """The map: ``lra`` (y = x + xWᵀ + b, the paper's LRA), ``lra_span`` (the LRA fitted once per
     contiguous span, = ``lra`` with ``granularity: span``), ``lra_anchored`` (the span LRA fitted in
-    ``mode: anchored``, to the original's state at the span's end), ``nobias`` (y = x + xWᵀ, Ghosted Layers),
+    ``mode: anchored``, to the original's state at the span's end), ``lra_auto`` (with ``mode: auto``:
+    the LRA per block and per span fitted independently, sequentially and anchored without the held-out
+    windows, the fit closest to the original on them refitted on all windows), ``nobias`` (y = x + xWᵀ, Ghosted Layers),
     ``affine`` (y = xAᵀ + c, no identity path; ablation), ``replaceme`` (ReplaceMe's least-squares map
     folded into the last kept block's MLP), ``replaceme_cosine`` (ReplaceMe's cosine-objective map,
     Adam on cached activations: its strongest training-free variant), ``linearpatch`` (LinearPatch's
@@ -33,10 +35,12 @@ class CalibrationConfig:
     no bias / ReplaceMe that keeps the model closest to the original on held-out calibration
     windows, by next-token KL), ``guarded_span`` (the same guard, with one LRA fitted to each whole span
     of two or more blocks as one more candidate)."""
-    mode: Literal["independent", "sequential", "anchored"] = "independent"
+    mode: Literal["independent", "sequential", "anchored", "auto"] = "independent"
     """``independent`` (one pass of the original model), ``sequential`` (each site sees the corrected
     pruned model's hidden states; about one pass in all, block by block) or ``anchored`` (sequential, and
-    each site fitted to the original model's state at its end, so that it also undoes earlier drift)."""
+    each site fitted to the original model's state at its end, so that it also undoes earlier drift);
+    ``auto`` (solver ``lra_auto`` only): each of those fits tried, the closest to the original on the
+    held-out calibration windows (every ``guard_every``-th) kept."""
     granularity: Literal["block", "span"] = "block"
     """``block``: one map per removed block (merged afterwards); ``span``: one per contiguous run."""
     rank: int | None = None

@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from ..arch import decoder_layers
-from ..data import TokenWindows, check_seq_len
+from ..data import TokenWindows, check_windows  # noqa: F401  (re-exported)
 from ..errors import ConfigError
 from ..passes import DataPass, sum_across_ranks
 from ..stats import Solution
 from .collect import Collector, SiteStatistics, StopForward
 from .config import CalibrationConfig
+from .auto import choose_fit
 from .judge import GuardJudge
 from .maps import Correction, SpanMap, adapter_from, as_affine, assemble, chain
 from .sequential import SequentialWalk
@@ -35,20 +36,6 @@ from .solvers import Solver, get_solver
 from .solvers.guard import Candidate, Guarded
 
 log = logging.getLogger(__name__)
-
-
-def check_windows(model: nn.Module, windows: TokenWindows, option: str = "--data", fitting: bool = True) -> None:
-    """Before any pass: refuse windows longer than the model's maximum positions, and warn when
-    ``fitting`` windows give a site fewer tokens than the ``d + 1`` unknowns of each output of its
-    map (the fit is then underdetermined: only the damping makes it unique)."""
-    longest = int(windows.attention_mask.sum(1).max()) if len(windows) else 0  # padding has no position
-    check_seq_len(model, longest, f"{option}.seq_len")
-    d = model.config.hidden_size
-    if fitting and windows.num_tokens < d + 1:
-        log.warning("Calibration gives each site %d tokens, fewer than the d + 1 = %d unknowns per output of its "
-                    "map: the fit is underdetermined (only the damping makes it unique). Raise %s.num_samples / "
-                    "%s.seq_len to at least %d tokens (ideally many times more).", windows.num_tokens, d + 1,
-                    option, option, d + 1)
 
 
 class CalibrationModule(DataPass):
@@ -87,6 +74,7 @@ class CalibrationModule(DataPass):
         self._walk: SequentialWalk | None = None
         self._on_site = None
         self.solve_seconds = 0.0
+        self.fit_choice: dict | None = None  # lra_auto: the held-out judgement of its fits
 
     @property
     def primary(self) -> str:
@@ -156,7 +144,9 @@ class CalibrationModule(DataPass):
             if heldout is not None:
                 check_windows(self.model, heldout, "--heldout", fitting=False)
         t0 = time.time()
-        if self.cfg.mode == "independent":
+        if self.cfg.mode == "auto":  # fits of its own, judged on held-out windows (.auto)
+            choose_fit(self, trainer, windows, heldout, batch_size)
+        elif self.cfg.mode == "independent":
             plan = [(t, set(s.needs)) for s in self._fittable() for t in (self.spans if s.per_span else self.sites)]
             if any(c.span for g in self.guards for c in self.solvers[g].candidates(self.dim)):
                 plan += [(t, {"io"}) for t in self.spans]  # the span-level LRA candidate's statistics
@@ -176,7 +166,7 @@ class CalibrationModule(DataPass):
 
             self._sequential(trainer, windows, batch_size, fit_site, f"calibration statistics ({self.cfg.mode})")
         self.solve_seconds = time.time() - t0
-        if heldout is not None and len(heldout):
+        if heldout is not None and len(heldout) and self.cfg.mode != "auto":  # auto: its refit measured
             self.measure(trainer, heldout, batch_size, key="heldout")
         return self.sites
 

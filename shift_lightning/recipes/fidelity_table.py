@@ -39,6 +39,7 @@ COLUMNS = (("wiki", "pruned", "pruned"), ("wiki", "lra", "+LRA"), ("wiki", "repl
            ("wiki", "replaceme_cosine", "+ReplaceMe (cosine)"), ("wiki", "guarded", "+guarded"),
            ("mixed", "lra", "+LRA, mixed calib."), ("mixed", "lra_span", "+LRA per span, mixed calib."),
            ("mixed", "lra_anchored", "+LRA per span, anchored, mixed calib."),
+           ("mixed", "lra_auto", "+LRA, fit chosen on held-out KL, mixed calib."),
            ("mixed", "replaceme", "+ReplaceMe (LS), mixed calib."),
            ("mixed", "replaceme_cosine", "+ReplaceMe (cosine), mixed calib."), ("mixed", "guarded", "+guarded, mixed calib."),
            ("mixed", "guarded_span", "+guarded (span LRA), mixed calib."))

@@ -79,10 +79,11 @@ class ReproduceConfig:
     """Perplexity sets (columns of the table; also closeness sets)."""
     criteria: list[str] = field(default_factory=lambda: list(CRITERIA_ORDER))
     """Criteria to run, in this order."""
-    variants: list[Literal["pruned", "lra", "lra_span", "lra_anchored", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch",
+    variants: list[Literal["pruned", "lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch",
                            "lra_guard", "guarded", "guarded_span"]] = field(default_factory=lambda: list(VARIANTS))
-    """Row variants per criterion (``lra_span``, ``lra_anchored`` and ``guarded_span`` are opt-in: not among the
-    defaults; ``lra_anchored`` takes a calibration pass of its own, in ``mode: anchored``)."""
+    """Row variants per criterion (``lra_span``, ``lra_anchored``, ``lra_auto`` and ``guarded_span`` are opt-in: not
+    among the defaults; ``lra_anchored`` takes a calibration pass of its own, in ``mode: anchored``, and
+    ``lra_auto`` its own fits, in ``mode: auto``)."""
     fill: Literal["all", "new", "closeness"] = "all"
     """``all``: missing runs, and closeness for finished runs that lack it; ``new``: missing runs only;
     ``closeness``: closeness for finished runs only."""
@@ -335,6 +336,8 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
                "pruned_layers": layers, "params": params, "correction_params": params - base_params,
                **harness.row_doc(res), "sites": _site_errors(modules[variant], variant) if correction is not None else [],
                "notes": correction.notes if correction is not None else [],
+               **({"fit_choice": modules[variant].fit_choice} if correction is not None
+                  and modules[variant].fit_choice is not None else {}),
                "seconds": {"calibration_all_solvers": cal_seconds, "evaluation": time.time() - t1},
                "trunk_cache": {"depth": cache.depth, "hits": cache.hits, "misses": cache.misses,
                                "mb": round(cache.nbytes / 2 ** 20, 1)}}

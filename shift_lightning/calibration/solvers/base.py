@@ -65,6 +65,9 @@ class Solver:
         self.device = None  # where iterative solvers run (set by the module)
         if cfg.rank is not None and not self.low_rank:
             raise ConfigError(f"--calibration.rank applies to the lra / nobias solvers, not to {self.name!r}")
+        if cfg.mode == "auto" and self.mode != "auto":
+            raise ConfigError(f"--calibration.mode auto chooses the LRA's fit on held-out windows; it fits the "
+                              f"lra_auto solver, not {self.name!r}: set --calibration.solver lra_auto")
         if self.mode is not None and cfg.mode != self.mode:
             raise ConfigError(f"solver {self.name!r} is fitted in --calibration.mode {self.mode}, got {cfg.mode!r}: "
                               f"set --calibration.mode {self.mode}")

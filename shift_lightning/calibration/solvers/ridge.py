@@ -8,6 +8,10 @@
 * ``lra_anchored``: the span LRA fitted in ``--calibration.mode anchored``: on the corrected pruned
   model's state entering the span, to the ORIGINAL's state at its end (= ``lra`` with ``granularity:
   span`` and ``mode: anchored``; a name of its own so that a grid can run it as a row);
+* ``lra_auto``: the LRA fitted each way of :attr:`LRAAuto.fits` (per block; per span independent,
+  sequential, anchored) without the held-out calibration windows, the one whose corrected model is
+  closest to the original there (next-token KL) refitted on all windows (``--calibration.mode auto``,
+  :mod:`shift_lightning.calibration.auto`);
 * ``nobias``: ``y = x + x Wᵀ`` (the closed-form ``I + M`` of Ghosted Layers, arXiv 2605.15491);
 * ``affine``: ``y = x Aᵀ + c`` fitted to the block output, no identity path (the paper's ablation);
 * ``lra_guard``: the LRA with its ridge strength chosen per site along ``λ·10^k`` by the relative
@@ -44,6 +48,16 @@ class LRAAnchored(LRA):
     name, label = "lra_anchored", "+LRA per span, anchored"
     per_span = True
     mode = "anchored"
+
+
+@register
+class LRAAuto(LRA):
+    name, label = "lra_auto", "+LRA, fit chosen on held-out KL"
+    per_span = True
+    mode = "auto"
+    #: (name, granularity, mode) of each fit tried, in tie-breaking order: the paper's per-block LRA first.
+    fits = (("lra", "block", "independent"), ("lra_span", "span", "independent"),
+            ("lra_sequential", "span", "sequential"), ("lra_anchored", "span", "anchored"))
 
 
 @register

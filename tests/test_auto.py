@@ -1,0 +1,89 @@
+"""``--calibration.mode auto`` (solver ``lra_auto``): each way of fitting the LRA judged on held-out
+calibration windows, the closest refitted on all of them."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from shift_lightning.calibration import CalibrationConfig, CalibrationModule
+from shift_lightning.calibration.maps import assemble
+from shift_lightning.calibration.solvers.ridge import LRAAuto
+from shift_lightning.data import TokenWindows
+from shift_lightning.errors import ConfigError
+from shift_lightning.fidelity import kl_top1, topk_reference
+from shift_lightning.models import build_tiny_model
+from shift_lightning.surgery import apply_correction, remove_blocks
+
+from test_peers import _trainer, _windows
+
+REMOVED = [1, 3, 4]  # two spans: the fits differ (a one-block span and a two-block one after it)
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
+    win = _windows(tok, n=8)
+    cfg = CalibrationConfig(solver="lra_auto", mode="auto", damping=1e-4, guard_topk=16)
+    mod = CalibrationModule(copy.deepcopy(model), REMOVED, cfg)
+    mod.calibrate(_trainer(), win, batch_size=4)
+    return model, win, cfg, mod
+
+
+def _fit(model, win, cfg, gran, mode):
+    m = CalibrationModule(copy.deepcopy(model), REMOVED, replace(cfg, solver="lra", mode=mode, granularity=gran))
+    m.calibrate(_trainer(), win, batch_size=4)
+    return m
+
+
+def test_auto_judges_every_fit_as_the_pruned_model_runs_and_keeps_the_closest(fitted):
+    """Each fit's held-out KL is the KL of the pruned model built by surgery with that fit (made on the
+    other windows) in place; the chosen one has the lowest KL; the fits genuinely differ."""
+    model, win, cfg, mod = fitted
+    res = mod.fit_choice
+    assert list(res["kl"]) == [f[0] for f in LRAAuto.fits]
+    assert res["chosen"] == min(res["kl"], key=lambda n: (res["kl"][n], list(res["kl"]).index(n)))
+    held = torch.arange(len(win)) % cfg.guard_every == cfg.guard_every - 1
+    fit_w = TokenWindows(win.input_ids[~held], win.attention_mask[~held])
+    ids, mask = win.input_ids[held], win.attention_mask[held]
+    assert res["held_out_windows"] == int(held.sum()) and res["fit_windows"] == len(fit_w)
+    with torch.no_grad():
+        ref = topk_reference(model(input_ids=ids, attention_mask=mask).logits[mask.bool()], cfg.guard_topk)
+    for name, gran, mode in LRAAuto.fits:
+        m = _fit(model, fit_w, cfg, gran, mode)
+        pruned = copy.deepcopy(model)
+        remove_blocks(pruned, REMOVED)
+        apply_correction(pruned, assemble(name, [m.span_map("lra", sp) for sp in m.spans], 6, REMOVED), 6, REMOVED)
+        with torch.no_grad():
+            kl = kl_top1(pruned(input_ids=ids, attention_mask=mask).logits[mask.bool()], ref)[0].mean().item()
+        assert res["kl"][name] == pytest.approx(kl, rel=1e-6, abs=1e-12), name
+    assert len({round(v, 12) for v in res["kl"].values()}) == len(LRAAuto.fits)
+
+
+def test_auto_maps_are_the_chosen_fit_refitted_on_all_windows(fitted):
+    model, win, cfg, mod = fitted
+    name, gran, mode = next(f for f in LRAAuto.fits if f[0] == mod.fit_choice["chosen"])
+    want = _fit(model, win, cfg, gran, mode).correction("lra").adapters
+    got = mod.correction().adapters
+    assert set(got) == set(want) and len(got) == 2
+    x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
+    for at in got:
+        assert_close(got[at](x), want[at](x), rtol=1e-8, atol=1e-8)
+    assert {r["maps"]["lra_auto"] for r in mod.span_reports()} == {name}
+    assert all(r["guard"]["chosen"] == name for r in mod.span_reports())
+    assert all("calib_rel_error" in r for r in mod.site_reports())  # the refit's own errors
+
+
+def test_auto_refuses_what_it_cannot_do(fitted):
+    model, win, _, _ = fitted
+    with pytest.raises(ConfigError, match="mode auto.*--calibration.solver lra_auto"):
+        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra", mode="auto"))
+    with pytest.raises(ConfigError, match="lra_auto.*--calibration.mode auto"):
+        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_auto"))
+    mod = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_auto", mode="auto"))
+    with pytest.raises(ConfigError, match="every 4-th calibration window.*only 3.*--data.num_samples"):
+        mod.calibrate(_trainer(), TokenWindows(win.input_ids[:3], win.attention_mask[:3]), batch_size=4)
