@@ -132,7 +132,7 @@ def test_every_boolean_option_works_as_a_bare_flag(name):
 
 
 @pytest.mark.parametrize("name,expect", [
-    ("calibrate", ["Relative ridge damping", "Fraction of blocks to remove", "{independent,sequential,anchored}"]),
+    ("calibrate", ["Relative ridge damping", "Fraction of blocks to remove", "{independent,sequential,anchored,auto}"]),
     ("evaluate", ["Tokens per perplexity window", "Evaluate only N docs per task"]),
     ("train", ["LoRA rank", "Also train the Linear Residual Adapters"]),
     ("reproduce", ["Docs per zero-shot task", "Only render the tables"]),

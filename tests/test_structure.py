@@ -163,7 +163,7 @@ def test_cli_refuses_typos_abbreviations_and_lists_choices(tmp_path):
     r = _calibrate("--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"), "--calibration.dampin", "0.1")
     assert r.returncode != 0 and "dampin" in r.stderr
     r = _calibrate("--help")
-    assert r.returncode == 0 and "{independent,sequential,anchored}" in r.stdout
+    assert r.returncode == 0 and "{independent,sequential,anchored,auto}" in r.stdout
     assert "Relative ridge damping" in r.stdout  # attribute docstrings are the help text
     assert not (tmp_path / "o").exists()
 

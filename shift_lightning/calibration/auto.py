@@ -75,8 +75,6 @@ class FitJudge(GuardJudge):
 def choose_fit(module, trainer, windows: TokenWindows, heldout: TokenWindows | None, batch_size: int = 4) -> dict:
     """Fill ``module`` (a :class:`~shift_lightning.calibration.CalibrationModule` of solver ``lra_auto``)
     with the chosen fit's maps; returns the judgement (also ``module.reports[span]["guards"]["lra_auto"]``)."""
-    from .module import CalibrationModule  # the fits are plain LRA modules
-
     cfg, name = module.cfg, module.primary
     k = cfg.guard_every
     held = torch.tensor([i % k == k - 1 for i in range(len(windows))], dtype=torch.bool)
@@ -88,7 +86,7 @@ def choose_fit(module, trainer, windows: TokenWindows, heldout: TokenWindows | N
     fits = module.solvers[name].fits
 
     def fitted(gran: str, mode: str, data: TokenWindows, measure_on=None):
-        sub = CalibrationModule(module.model, module.removed, replace(cfg, mode=mode, granularity=gran), solvers=["lra"])
+        sub = type(module)(module.model, module.removed, replace(cfg, mode=mode, granularity=gran), solvers=["lra"])
         sub.calibrate(trainer, data, measure_on, batch_size, check=False)
         return sub
 
