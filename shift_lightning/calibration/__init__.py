@@ -4,9 +4,10 @@
 ``config``         :class:`CalibrationConfig`: every ``--calibration.*`` knob
 ``sites``          sites, spans, pruned positions (framework-free)
 ``collect``        what one pass gathers per site (hooks, ONE flat float64 buffer, held-out copies)
-``solvers/``       the maps, one file a family, one registry: ``lra``, ``nobias``, ``affine``,
-                   ``lra_guard``, ``lra_span``, ``lra_anchored``, ``lra_auto`` (ridge.py), ``replaceme``, ``replaceme_cosine`` (replaceme.py),
-                   ``linearpatch``, ``guarded`` (guard.py, judged by :mod:`.judge`)
+``solvers/``       the maps, one file a family, one registry: ``lra``, ``lra_span``, ``lra_anchored``,
+                   ``lra_auto``, ``nobias``, ``affine``, ``lra_guard`` (ridge.py), ``replaceme``,
+                   ``replaceme_cosine`` (replaceme.py), ``linearpatch``, ``guarded`` (guard.py, judged
+                   by :mod:`.judge`)
 ``solve``          solves shared out among ranks, broadcast
 ``sequential``     the GPTQ-style sequential pass (and ``anchored``)
 ``auto``           ``lra_auto``: each way of fitting the LRA judged on held-out windows, the closest kept
