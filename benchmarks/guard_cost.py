@@ -6,7 +6,8 @@ Per criterion (the paper grid's 25 % blocks), the same 64 × 512 calibration win
 solvers timed in alternation (``--repeats`` each; medians): the LRA's one statistics pass + solve, the
 span LRA's (the same pass, one fit per contiguous span), and a guard's (the pass with held-out copies,
 the candidates' solves, the judge pass over the held-out windows: one original forward and, per span,
-one run per candidate from the block before the span, then the refit). Also reports what a guard chose.
+one run per candidate from the block before the span, then the refit; ``lra_auto``: its four fits on
+the non-held-out windows, one judge pass, the refit). Also reports what a guard or ``lra_auto`` chose.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import _common as C
 
 import torch  # noqa: E402
 
-from shift_lightning.calibration import CalibrationConfig, CalibrationModule  # noqa: E402
+from shift_lightning.calibration import SOLVERS, CalibrationConfig, CalibrationModule  # noqa: E402
 from shift_lightning.calibration.sites import make_sites  # noqa: E402
 from shift_lightning.criteria import PruneConfig  # noqa: E402
 from shift_lightning.data import TextDataConfig, build_windows  # noqa: E402
@@ -54,11 +55,14 @@ def main(argv=None):
             for solver in solvers:
                 m = copy.deepcopy(model)
                 t0 = time.perf_counter()
-                mod = CalibrationModule(m, layers, CalibrationConfig(solver=solver, heldout=False))
+                mode = SOLVERS[solver].mode or "independent"  # lra_anchored, lra_auto: their own mode
+                mod = CalibrationModule(m, layers, CalibrationConfig(solver=solver, mode=mode, heldout=False))
                 mod.calibrate(trainer, calib, batch_size=4)
                 times[solver].append(time.perf_counter() - t0)
                 if solver.startswith("guarded"):
                     chosen[solver] = [mod.reports[s.key]["guards"][solver]["chosen"] for s in mod.spans]
+                if mod.fit_choice is not None:
+                    chosen[solver] = [mod.fit_choice["chosen"]]
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append({"criterion": crit, "pruned_layers": layers, "spans": len(make_sites(layers, "span")),
                      "seconds": med, "runs": times, "ratio": {k: med[k] / med[solvers[0]] for k in solvers[1:]},
