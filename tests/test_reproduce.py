@@ -241,6 +241,9 @@ def test_anchored_and_auto_rows_take_passes_of_their_own(tmp_path):
     assert set(choice["kl"]) == {"lra", "lra_span", "lra_sequential", "lra_anchored"} and choice["held_out_windows"] == 2
     same = "lra" if choice["chosen"] == "lra" else "lra_span"
     assert rows["lra_auto"]["sites"][0]["map"] == choice["chosen"]
+    if choice["chosen"] in ("lra", "lra_span"):  # its maps are that run's: perplexity and KL checked, tasks reused
+        assert rows["lra_auto"]["tasks_from"] == f"reverse_star/{choice['chosen']}"
+        assert rows["lra_auto"]["maps_check"]["max_rel_diff"] <= 1e-4 and rows["lra_auto"]["maps_check"]["values"]
     for a, b in (("lra_anchored", "lra_span"), ("lra_auto", same)):
         for ppl_set, e in rows[b]["perplexity"].items():
             assert rows[a]["perplexity"][ppl_set]["ppl"] == pytest.approx(e["ppl"], rel=1e-5)
@@ -444,3 +447,15 @@ def test_an_older_run_gets_closeness_rebuilt_or_copied_from_a_criterion_with_the
     runs.write("block_influence/lra", other)
     assert not _reuse_closeness(cfg, runs, "block_influence", sorted(older["pruned_layers"]), "lra")
     assert "kl" not in runs.read("block_influence/lra")
+
+
+def test_maps_check_reuses_tasks_only_when_perplexity_and_kl_agree():
+    from shift_lightning.recipes.reproduce import _maps_check
+
+    doc = {"perplexity": {"wiki": {"ppl": 20.0}, "lambada": {"ppl": 50.0}}, "kl": {"wiki": 0.5, "tasks": 0.4}}
+    same = {"perplexity": {"wiki": {"ppl": 20.0000001}, "lambada": {"ppl": 50.0}}, "kl": {"wiki": 0.5, "tasks": 0.40000001}}
+    name, got, check = _maps_check(same, "c/lra_span", doc)
+    assert name == "c/lra_span" and got is doc and check["max_rel_diff"] < 1e-6 and len(check["values"]) == 4
+    off = {**same, "kl": {"wiki": 0.5, "tasks": 0.41}}  # another map: KL 2.5 % away
+    assert _maps_check(off, "c/lra_span", doc) is None
+    assert _maps_check({"perplexity": {"other": {"ppl": 1.0}}}, "c/lra_span", doc) is None  # nothing to compare

@@ -326,15 +326,22 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
         name = f"{crit}/{variant}"
         correction = modules[variant].correction(variant) if variant != "pruned" else None
         t1 = time.time()
+        same = _same_maps(cfg, runs, crit, modules[variant]) if variant in new and correction is not None else None
         with harness.corrected(model, correction, n_layers, layers):
-            res = ctx.evaluate(model, cache, record=i == 0, tasks=variant in new)
+            res = ctx.evaluate(model, cache, record=i == 0, tasks=variant in new and same is None)
+            if same is not None:  # the tasks are the other run's once perplexity and closeness agree
+                same = _maps_check(res, *same)
+                if same is None:
+                    res = ctx.evaluate(model, cache, tasks=True)
             params = num_params(model)
         if variant in old:
             harness.add_closeness(ctx, runs, name, res)
             continue
+        if same is not None:
+            res = {**res, "tasks": same[1]["tasks"], "average": same[1]["average"]}
         doc = {**ctx.meta, "criterion": crit, "variant": variant, "solver": None if variant == "pruned" else variant,
                "pruned_layers": layers, "params": params, "correction_params": params - base_params,
-               **harness.row_doc(res), "sites": _site_errors(modules[variant], variant) if correction is not None else [],
+               **harness.row_doc(res), **({"tasks_from": same[0], "maps_check": same[2]} if same is not None else {}), "sites": _site_errors(modules[variant], variant) if correction is not None else [],
                "notes": correction.notes if correction is not None else [],
                **({"fit_choice": modules[variant].fit_choice} if correction is not None
                   and modules[variant].fit_choice is not None else {}),
@@ -345,6 +352,32 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
         log.info("%s %s: avg %.2f, PPL %s, KL %s (%.0f s)", cfg.model, name, 100 * res["average"],
                  ", ".join(f"{p} {e['ppl']:.4g}" for p, e in res["perplexity"].items()),
                  ", ".join(f"{k} {v:.3f}" for k, v in res.get("kl", {}).items()), time.time() - t1)
+
+
+def _same_maps(cfg: ReproduceConfig, runs: harness.RunFolder, crit: str, module: CalibrationModule):
+    """``lra_auto`` refits the fit it chose exactly as that fit's own variant is fitted (same windows,
+    settings and solve): ``(name, doc)`` of this criterion's finished run of that variant, if any, whose
+    zero-shot outcomes then need not be recomputed (:func:`_maps_check` decides)."""
+    chosen = (module.fit_choice or {}).get("chosen")
+    name = f"{crit}/{chosen}"
+    if chosen is None or not runs.done(name):
+        return None
+    doc = runs.read(name)
+    return (name, doc) if _same_settings(cfg, doc) and "fidelity" in doc and not doc.get("tasks_from") else None
+
+
+def _maps_check(res: dict, name: str, doc: dict, tol: float = 1e-4):
+    """``(name, doc, check)`` when every perplexity and KL just measured equals ``doc``'s to ``tol``
+    (relative), i.e. the maps are the same; else None (the tasks are then evaluated)."""
+    check = {f"ppl {p}": [e["ppl"], doc["perplexity"][p]["ppl"]] for p, e in res["perplexity"].items()
+             if p in doc["perplexity"]}
+    check.update({f"kl {k}": [v, doc["kl"][k]] for k, v in res.get("kl", {}).items() if k in doc.get("kl", {})})
+    worst = max((abs(a - b) / max(abs(b), 1e-12) for a, b in check.values()), default=float("inf"))
+    if worst > tol:
+        log.warning("the maps chosen here differ from %s's (perplexity / KL off by %.2g): tasks evaluated", name, worst)
+        return None
+    log.info("the maps chosen here are %s's (perplexity and KL to %.1g): its zero-shot outcomes reused", name, worst)
+    return name, doc, {"values": check, "max_rel_diff": worst}
 
 
 def _site_errors(module: CalibrationModule, solver: str) -> list[dict]:
