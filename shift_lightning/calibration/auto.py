@@ -26,10 +26,8 @@ from dataclasses import replace
 
 import torch
 
-from ..arch import decoder_layers, final_norm
 from ..data import TokenWindows
 from ..errors import ConfigError
-from ..fidelity import kl_top1_from_hidden, lm_softcap
 from ..passes import sum_across_ranks
 from .judge import GuardJudge
 from .maps import SpanMap
@@ -50,18 +48,12 @@ class FitJudge(GuardJudge):
 
     @torch.no_grad()
     def finish(self) -> None:
-        L = len(decoder_layers(self.model))
-        norm, head, softcap, dev = final_norm(self.model), self._head(), lm_softcap(self.model), self.device
-        sums = torch.zeros(len(self.fits), 3, dtype=torch.float64, device=dev)
+        sums = torch.zeros(len(self.fits), 3, dtype=torch.float64, device=self.device)
         for fi, maps in enumerate(self.fits.values()):
             for m in maps.values():
                 if m.adapter is not None:
-                    m.adapter.to(dev)
-            for e in self._batches:
-                kl, agree = kl_top1_from_hidden(norm(self._run(e, e["h"], self.b0, L, maps))[e["mask"]], head,
-                                                e["ref"], softcap)
-                sums[fi] += torch.stack([kl.sum().to(dev, torch.float64), agree.sum().to(dev, torch.float64),
-                                         torch.tensor(float(kl.numel()), device=dev, dtype=torch.float64)])
+                    m.adapter.to(self.device)
+            self._score([e["h"] for e in self._batches], self.b0, maps, sums[fi])
         sum_across_ranks([sums], self.trainer)
         n = sums[:, 2].clamp_min(1)
         kl, top1 = (sums[:, 0] / n).tolist(), (sums[:, 1] / n).tolist()

@@ -117,10 +117,19 @@ class GuardJudge(DataPass):
             h = ends[b].adapter(h)
         return h
 
-    @torch.no_grad()
-    def finish(self) -> None:
+    def _score(self, states: list, a: int, maps: dict, row: torch.Tensor) -> None:
+        """Add ``Σ KL, Σ top-1, #positions`` of the pruned model with ``maps``, run from block ``a`` on
+        the cached batches' ``states`` to the LM head, into ``row``."""
         L = len(decoder_layers(self.model))
         norm, head, softcap = final_norm(self.model), self._head(), lm_softcap(self.model)
+        for e, h in zip(self._batches, states):
+            kl, agree = kl_top1_from_hidden(norm(self._run(e, h, a, L, maps))[e["mask"]], head, e["ref"], softcap)
+            row[0] += kl.sum().to(row)
+            row[1] += agree.sum().to(row)
+            row[2] += kl.numel()
+
+    @torch.no_grad()
+    def finish(self) -> None:
         dev = self.device
         for cands in list(self.candidates.values()) + [list(self.default.values())]:
             for m in cands:
@@ -137,12 +146,7 @@ class GuardJudge(DataPass):
             sums = torch.zeros(len(cands), 3, dtype=torch.float64, device=dev)
             for ci, cand in enumerate(cands):
                 maps[sp.key] = cand
-                for e, h in zip(self._batches, states):
-                    hid = norm(self._run(e, h, entry, L, maps))[e["mask"]]
-                    kl, agree = kl_top1_from_hidden(hid, head, e["ref"], softcap)
-                    sums[ci, 0] += kl.sum().to(dev)
-                    sums[ci, 1] += agree.sum().to(dev)
-                    sums[ci, 2] += kl.numel()
+                self._score(states, entry, maps, sums[ci])
             sum_across_ranks([sums], self.trainer)
             n = sums[:, 2].clamp_min(1)
             kl_mean, top1 = (sums[:, 0] / n).tolist(), (sums[:, 1] / n).tolist()
