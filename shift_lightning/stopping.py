@@ -25,6 +25,10 @@ stopping differently, or is dead. The entry points run inside :func:`guarded`, w
   (``SHIFT_LIGHTNING_RANK0_PID``, inherited at launch), so a child that starts after rank 0 died
   notices too. (Rank 0 watches its children already: Lightning's process observer ends the group
   when one of them dies.)
+* in rank 0, once a stop signal is seen: Lightning's process observer no longer SIGKILLs the group
+  when a rank ends non-zero. Every rank is stopping then: one that stopped first (130 / 143), or
+  that Lightning's own interrupt handling killed (-9), would otherwise get rank 0 killed in the
+  middle of its orderly stop (exit -9, its last lines lost). The grace timer still bounds rank 0.
 
 Forced exits write one line to stderr saying why.
 """
@@ -146,6 +150,21 @@ def rearm() -> None:
 # --------------------------------------------------------------------------------------------
 # Watchers
 # --------------------------------------------------------------------------------------------
+_OBSERVER = "child-process-observer"  # lightning.fabric.strategies.launchers.subprocess_script
+
+
+def spare_stopping_group(observer) -> None:
+    """Make Lightning's child-process ``observer`` leave a stopping group alone (see the module docstring)."""
+    if hasattr(observer, "_terminate_all"):
+        observer._terminate_all = lambda: None
+
+
+def _spare_on_stop() -> None:
+    for t in threading.enumerate():
+        if t.name == _OBSERVER:
+            spare_stopping_group(t)
+
+
 def _watch_signals(sock: socket.socket, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
@@ -158,6 +177,8 @@ def _watch_signals(sock: socket.socket, stop: threading.Event) -> None:
             if signum not in (signal.SIGINT, signal.SIGTERM):
                 continue
             _state.signals.append(signum)
+            if _child_rank() == 0:
+                _spare_on_stop()
             name = signal.Signals(signum).name
             code = 128 + signum
             if signum == signal.SIGINT and _state.signals.count(signal.SIGINT) >= 2:

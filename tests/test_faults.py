@@ -502,6 +502,36 @@ def test_ctrl_c_to_the_process_group_ends_every_rank_of_a_ddp_training(tmp_path,
             os.killpg(p.pid, signal.SIGKILL)
 
 
+def test_a_stopping_group_is_not_killed_by_lightnings_process_observer(monkeypatch):
+    """Lightning's process observer SIGKILLs rank 0 when a rank exits non-zero, also while every rank is
+    stopping on the same Ctrl-C (a rank that stopped first: 130; one Lightning's interrupt handling killed:
+    -9). Once rank 0 saw the signal the observer leaves the group to its stop; before that it acts."""
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    class Rank:
+        def __init__(self, code):
+            self.returncode, self.pid, self.sent = code, 0, []
+
+        def poll(self):
+            return self.returncode
+
+        def send_signal(self, sig):
+            self.sent.append(sig)
+
+    killed = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    for code in (130, 143, -signal.SIGKILL, 1):
+        for stopping_now in (False, True):
+            killed.clear()
+            rank = Rank(code)
+            observer = _ChildProcessObserver(main_pid=12345, child_processes=[rank])
+            if stopping_now:
+                stopping.spare_stopping_group(observer)
+            assert observer._run() is True  # the observer is done either way
+            assert killed == ([] if stopping_now else [(12345, signal.SIGKILL)]), (code, stopping_now)
+            assert rank.sent == ([] if stopping_now else [signal.SIGKILL])
+
+
 class _suppress:
     def __enter__(self):
         return self
