@@ -1,0 +1,146 @@
+"""The issue's targets for several repairs side by side, read from the fidelity tables' JSON.
+
+    python -m shift_lightning.recipes.targets_summary        # -> results/targets.{md,json}
+
+Each fidelity table (``python -m shift_lightning.recipes.fidelity_table [--repair …]``) counts, for one
+repair and per model and calibration text, how many criteria meet each target. This puts those counts
+in one table, one line per model and repair, with each target marked **met**, **not met**, or **open**
+(criteria still missing could still change it), so that which repair reaches which target, on which
+model, is one look rather than four files:
+
+* **closer**: lower KL than pruning on every held-out set, under every criterion;
+* **no harm**: never significantly below pruning on Avg or Robust (paired 95 % bootstrap);
+* **Robust**: the best criterion keeps at least ``robust_goal`` of the original's above-chance accuracy;
+* **KL vs ReplaceMe**: lower KL on every set than the better ReplaceMe fitted on the same text, under
+  every criterion;
+* **Robust vs ReplaceMe**: higher Robust than that ReplaceMe under at least ``robust_above`` criteria.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..outputs import write_json_atomic, write_text_atomic
+from .tables.common import fmt_ci
+
+MET, NOT_MET, OPEN = "met", "not met", "open"
+
+
+@dataclass
+class TargetsSummaryConfig:
+    """The fidelity tables to read (one per repair) and the targets' thresholds."""
+
+    tables: list[str] = field(default_factory=lambda: ["results/fidelity.json", "results/fidelity_lra_span.json",
+                                                       "results/fidelity_lra_auto.json",
+                                                       "results/fidelity_guarded_span.json"])
+    grid: str = "mixed"
+    """The calibration text whose rows are counted (the fidelity tables' grid name)."""
+    robust_goal: float = 0.80
+    robust_above: int = 8
+    """Criteria (of all) under which the repair must beat the better ReplaceMe on Robust."""
+    out: str = "results/targets"
+
+
+def _all_of(hits: int, run: int, total: int) -> str:
+    """A target that must hold under every criterion."""
+    if hits < run:
+        return NOT_MET
+    return MET if run == total else OPEN
+
+
+def _none_of(misses: int, run: int, total: int) -> str:
+    """A target that no criterion may fail."""
+    if misses:
+        return NOT_MET
+    return MET if run == total else OPEN
+
+
+def _at_least(hits: int, run: int, total: int, need: int) -> str:
+    if hits >= need:
+        return MET
+    return NOT_MET if hits + (total - run) < need else OPEN
+
+
+def summarize(doc: dict, cfg: TargetsSummaryConfig) -> list[dict]:
+    """One line per model of a fidelity table: its counts for ``cfg.grid`` and each target's status."""
+    lines = []
+    for m in doc["models"]:
+        t = m["targets"].get(cfg.grid)
+        if not t or not t["criteria"]:
+            continue
+        total = len(m["rows"])
+        b = t["best_robust"]
+        rm = t["replaceme_of"]
+        lines.append({
+            "model": m["model"], "repair": doc["repair"], "criteria": t["criteria"], "of": total,
+            "closer": [len(t["closer"]), t["closer_of"]], "harm": [len(t["harm"]), t["harm_of"]],
+            "harm_criteria": t["harm"], "best_robust": b,
+            "kl_below_replaceme": [len(t["kl_below_replaceme"]), rm],
+            "robust_above_replaceme": [len(t["robust_above_replaceme"]), rm],
+            "status": {
+                "closer": _all_of(len(t["closer"]), t["closer_of"], total),
+                "no_harm": _none_of(len(t["harm"]), t["harm_of"], total),
+                "robust": MET if b["robust"] >= cfg.robust_goal else NOT_MET if t["criteria"] == total else OPEN,
+                "kl_vs_replaceme": _all_of(len(t["kl_below_replaceme"]), rm, total),
+                "robust_vs_replaceme": _at_least(len(t["robust_above_replaceme"]), rm, total, cfg.robust_above)}})
+    return lines
+
+
+def _mark(status: str) -> str:
+    return {MET: " ✓", NOT_MET: " ✗", OPEN: " …"}[status]
+
+
+def markdown(lines: list[dict], cfg: TargetsSummaryConfig) -> str:
+    goal = f"{100 * cfg.robust_goal:.0f}"
+    out = [f"# The issue's targets, per repair ({cfg.grid} calibration text)", "",
+           "Counts of criteria from the fidelity tables (`python -m shift_lightning.recipes.fidelity_table "
+           "[--repair …]`); ✓ met, ✗ not met, … open (criteria not run yet could change it). Targets: closer "
+           "than pruning on every set under every criterion; significantly below pruning on Avg or Robust under "
+           f"none; the best criterion keeps ≥ {goal} % Robust; lower KL on every set than the better ReplaceMe "
+           f"under every criterion and higher Robust under ≥ {cfg.robust_above}.", "",
+           "| model | repair | criteria run | closer than pruning | significantly below pruning | best Robust "
+           "(criterion) | lower KL than ReplaceMe | higher Robust than ReplaceMe |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for x in lines:
+        s, b = x["status"], x["best_robust"]
+        out.append(f"| {x['model']} | `{x['repair']}` | {x['criteria']} of {x['of']} | "
+                   f"{x['closer'][0]} of {x['closer'][1]}{_mark(s['closer'])} | "
+                   f"{x['harm'][0]} of {x['harm'][1]}{_mark(s['no_harm'])} | "
+                   f"{fmt_ci(b['robust'], b['robust_ci'])} ({b['criterion']}){_mark(s['robust'])} | "
+                   f"{x['kl_below_replaceme'][0]} of {x['kl_below_replaceme'][1]}{_mark(s['kl_vs_replaceme'])} | "
+                   f"{x['robust_above_replaceme'][0]} of {x['robust_above_replaceme'][1]}"
+                   f"{_mark(s['robust_vs_replaceme'])} |")
+    return "\n".join(out) + "\n"
+
+
+def render(cfg: TargetsSummaryConfig) -> Path:
+    missing = [p for p in cfg.tables if not Path(p).exists()]
+    if missing:
+        raise FileNotFoundError(f"Fidelity tables not found: {missing}. Render each with python -m "
+                                "shift_lightning.recipes.fidelity_table --repair <repair> --out <path without .json>")
+    docs = [json.loads(Path(p).read_text()) for p in cfg.tables]
+    lines = [x for m in dict.fromkeys(x["model"] for d in docs for x in d["models"])
+             for d in docs for x in summarize(d, cfg) if x["model"] == m]
+    out = Path(cfg.out)
+    write_json_atomic(out.with_suffix(".json"), {"grid": cfg.grid, "robust_goal": cfg.robust_goal,
+                                                 "robust_above": cfg.robust_above, "tables": cfg.tables,
+                                                 "lines": lines})
+    write_text_atomic(out.with_suffix(".md"), markdown(lines, cfg))
+    return out
+
+
+def main(argv: list[str] | None = None):
+    from .cli import dataclass_main
+
+    def go(cfg: TargetsSummaryConfig):
+        out = render(cfg)
+        print(f"Targets in {out.with_suffix('.md')}")
+        return out
+
+    return dataclass_main(TargetsSummaryConfig, go, __doc__.splitlines()[0], argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""The targets summary: counts from the fidelity tables, each target met / not met / open."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shift_lightning.recipes.targets_summary import MET, NOT_MET, OPEN, TargetsSummaryConfig, render, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+CRITERIA = ["a", "b", "c", "d"]
+
+
+def _doc(repair, run, closer, harm, robust, kl_below, robust_above):
+    """A fidelity table's JSON for one model: ``run`` of the four criteria have the repair's rows."""
+    t = {"criteria": len(run), "closer": closer, "closer_of": len(run), "harm": harm, "harm_of": len(run),
+         "best_robust": {"criterion": run[0], "robust": robust, "robust_ci": [robust - 0.1, robust + 0.1]},
+         "kl_below_replaceme": kl_below, "robust_above_replaceme": robust_above, "replaceme_of": len(run)}
+    return {"repair": repair, "models": [{"model": "m", "rows": [{"criterion": c} for c in CRITERIA],
+                                          "targets": {"mixed": t}}]}
+
+
+def test_each_target_is_met_not_met_or_open_by_what_the_missing_criteria_could_change():
+    cfg = TargetsSummaryConfig(robust_above=3)
+    full = summarize(_doc("lra", CRITERIA, CRITERIA, [], 0.85, CRITERIA, ["a", "b", "c"]), cfg)[0]
+    assert full["status"] == {"closer": MET, "no_harm": MET, "robust": MET, "kl_vs_replaceme": MET,
+                              "robust_vs_replaceme": MET}
+    assert full["closer"] == [4, 4] and full["robust_above_replaceme"] == [3, 4]
+    # two criteria not run: targets that must hold under all stay open; a failure already seen is final
+    part = summarize(_doc("x", ["a", "b"], ["a", "b"], ["b"], 0.70, ["a"], ["a"]), cfg)[0]
+    assert part["status"] == {"closer": OPEN, "no_harm": NOT_MET, "robust": OPEN, "kl_vs_replaceme": NOT_MET,
+                              "robust_vs_replaceme": OPEN}  # 1 above + 2 to run could still reach 3
+    assert summarize(_doc("x", ["a", "b"], [], [], 0.7, [], []), cfg)[0]["status"]["robust_vs_replaceme"] == NOT_MET
+    assert summarize(_doc("x", ["a", "b"], [], [], 0.9, [], []), cfg)[0]["status"]["robust"] == MET
+    assert summarize(_doc("x", CRITERIA, [], [], 0.79, [], []), cfg)[0]["status"]["robust"] == NOT_MET
+    # a table without rows on the counted text is left out, not shown as 0 of 0
+    assert summarize(_doc("x", ["a"], [], [], 0.5, [], []), TargetsSummaryConfig(grid="wiki")) == []
+
+
+def test_render_orders_by_model_and_names_a_missing_table(tmp_path):
+    paths = []
+    for repair in ("lra", "lra_auto"):
+        p = tmp_path / f"{repair}.json"
+        p.write_text(json.dumps(_doc(repair, CRITERIA, CRITERIA, ["c"], 0.81, CRITERIA, ["a"])))
+        paths.append(str(p))
+    out = render(TargetsSummaryConfig(tables=paths, out=str(tmp_path / "t")))
+    md = out.with_suffix(".md").read_text()
+    assert "| m | `lra` | 4 of 4 | 4 of 4 ✓ | 1 of 4 ✗ | 81.0 [71.0, 91.0] (a) ✓ | 4 of 4 ✓ | 1 of 4 ✗ |" in md
+    assert [x["repair"] for x in json.loads(out.with_suffix(".json").read_text())["lines"]] == ["lra", "lra_auto"]
+    with pytest.raises(FileNotFoundError, match="fidelity_table --repair"):
+        render(TargetsSummaryConfig(tables=[*paths, str(tmp_path / "nope.json")], out=str(tmp_path / "t")))
+
+
+def test_the_committed_summary_is_the_committed_fidelity_tables(tmp_path, monkeypatch):
+    """results/targets.* is re-rendered whenever a fidelity table changes (the README quotes it)."""
+    monkeypatch.chdir(ROOT)
+    committed = json.loads((ROOT / "results" / "targets.json").read_text())
+    out = render(TargetsSummaryConfig(out=str(tmp_path / "t")))
+    assert json.loads(out.with_suffix(".json").read_text())["lines"] == committed["lines"]
+    assert out.with_suffix(".md").read_text() == (ROOT / "results" / "targets.md").read_text()
