@@ -87,3 +87,39 @@ def test_auto_refuses_what_it_cannot_do(fitted):
     mod = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_auto", mode="auto"))
     with pytest.raises(ConfigError, match="every 4-th calibration window.*only 3.*--data.num_samples"):
         mod.calibrate(_trainer(), TokenWindows(win.input_ids[:3], win.attention_mask[:3]), batch_size=4)
+
+
+@pytest.mark.parametrize("removed, same", [
+    ([2, 3], {"lra_sequential": "lra_span", "lra_anchored": "lra_span"}),  # one span: nothing before it
+    ([1, 3], {"lra_span": "lra"}),  # one-block spans: the span LRA is the per-block LRA
+    ([2], {"lra_span": "lra", "lra_sequential": "lra", "lra_anchored": "lra"}),
+    (REMOVED, {})])
+def test_fits_that_coincide_for_the_removed_blocks_are_fitted_and_judged_once(removed, same):
+    """The fits :func:`coinciding_fits` skips are the same maps when fitted (so the choice is unchanged),
+    and ``lra_auto`` records which fit stood for which."""
+    from shift_lightning.calibration.auto import coinciding_fits
+    from shift_lightning.calibration.sites import span_sites
+
+    assert coinciding_fits(LRAAuto.fits, span_sites(removed)) == same
+    if not same:
+        return
+    model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
+    win = _windows(tok, n=8)
+    cfg = CalibrationConfig(solver="lra_auto", mode="auto", damping=1e-4, guard_topk=16)
+    x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
+    modes = {f[0]: f[1:] for f in LRAAuto.fits}
+    for name, twin in same.items():
+        maps = []
+        for n in (name, twin):
+            m = CalibrationModule(copy.deepcopy(model), removed, replace(cfg, solver="lra", mode=modes[n][1],
+                                                                          granularity=modes[n][0]))
+            m.calibrate(_trainer(), win, batch_size=4)
+            maps.append(m.correction("lra").adapters)
+        assert set(maps[0]) == set(maps[1])
+        for at in maps[0]:
+            assert_close(maps[0][at](x), maps[1][at](x), rtol=1e-9, atol=1e-9)
+    mod = CalibrationModule(copy.deepcopy(model), removed, cfg)
+    mod.calibrate(_trainer(), win, batch_size=4)
+    res = mod.fit_choice
+    assert res["same_as"] == same and list(res["kl"]) == [f[0] for f in LRAAuto.fits]
+    assert all(res["kl"][n] == res["kl"][t] for n, t in same.items()) and res["chosen"] not in same

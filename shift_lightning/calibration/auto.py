@@ -16,7 +16,9 @@ not per span: a sequential or anchored span's map assumes the maps before it. Th
 are calibration text, never evaluated data.
 
 Cost: each fit once on 1 − 1/k of the windows, one original and one pruned forward per fit over the
-held-out windows, and the chosen fit once more on all windows (about 4.5 LRA calibrations).
+held-out windows, and the chosen fit once more on all windows (about 4.5 LRA calibrations). Fits that
+are the same maps for the removed blocks (:func:`coinciding_fits`: with one span the three span modes;
+with only one-block spans the per-block and the span LRA) are fitted and judged once.
 """
 
 from __future__ import annotations
@@ -64,6 +66,25 @@ class FitJudge(GuardJudge):
         self._batches = []
 
 
+def coinciding_fits(fits, spans) -> dict[str, str]:
+    """Fit name -> the earlier fit whose maps it equals for these spans (so it is neither fitted nor judged
+    again). With one span nothing comes before it: fitted sequentially (on the corrected pruned state) or
+    anchored (to the original's state at its end) it sees what the independent fit sees. When every span
+    is one block, the span LRA is the per-block LRA."""
+    one_span = len(spans) == 1
+    one_block = all(sp.end - sp.start == 1 for sp in spans)
+    first: dict[tuple, str] = {}
+    same = {}
+    for name, gran, mode in fits:
+        mode = "independent" if one_span else mode
+        key = ("block" if one_block and mode == "independent" else gran, mode)
+        if key in first:
+            same[name] = first[key]
+        else:
+            first[key] = name
+    return same
+
+
 def choose_fit(module, trainer, windows: TokenWindows, heldout: TokenWindows | None, batch_size: int = 4) -> dict:
     """Fill ``module`` (a :class:`~shift_lightning.calibration.CalibrationModule` of solver ``lra_auto``)
     with the chosen fit's maps; returns the judgement (also ``module.reports[span]["guards"]["lra_auto"]``)."""
@@ -82,14 +103,22 @@ def choose_fit(module, trainer, windows: TokenWindows, heldout: TokenWindows | N
         sub.calibrate(trainer, data, measure_on, batch_size, check=False)
         return sub
 
+    same = coinciding_fits(fits, module.spans)
     maps = {}
     for fit_name, gran, mode in fits:
+        if fit_name in same:
+            log.info("lra_auto: %s is %s for these spans: fitted and judged once", fit_name, same[fit_name])
+            continue
         sub = fitted(gran, mode, fit_w)
         maps[fit_name] = {sp.key: replace(sub.span_map("lra", sp), source=fit_name) for sp in module.spans}
         log.info("lra_auto: fitted %s (%s, %s) on %d windows", fit_name, gran, mode, len(fit_w))
     judge = FitJudge(module.model, module.removed, module.spans, maps, cfg.guard_topk)
     judge.run(trainer, judge_w, batch_size)
     res = {**judge.results, "held_out_windows": len(judge_w), "fit_windows": len(fit_w)}
+    if same:  # every fit keeps its line; ties go to the earlier fit, the one actually judged
+        for key in ("kl", "top1"):
+            res[key] = {f[0]: res[key][same.get(f[0], f[0])] for f in fits}
+        res["same_as"] = same
     chosen = next(f for f in fits if f[0] == res["chosen"])
     log.info("lra_auto: held-out KL %s: refitting %s on all %d windows",
              ", ".join(f"{n} {v:.4f}" for n, v in res["kl"].items()), chosen[0], len(windows))
