@@ -6,7 +6,7 @@ Per criterion (the paper grid's 25 % blocks), the same 64 × 512 calibration win
 solvers timed in alternation (``--repeats`` each; medians): the LRA's one statistics pass + solve, the
 span LRA's (the same pass, one fit per contiguous span), and a guard's (the pass with held-out copies,
 the candidates' solves, the judge pass over the held-out windows: one original forward and, per span,
-one run per candidate from the block before the span, then the refit; ``lra_auto``: its four fits on
+one run per candidate from the block before the span, then the refit; ``lra_auto``: its distinct fits on
 the non-held-out windows, one judge pass, the refit). Also reports what a guard or ``lra_auto`` chose.
 """
 
