@@ -90,6 +90,14 @@ class DataPass(L.LightningModule):
     def finish(self) -> None:
         """Called after the reduce (every rank sees the global sums)."""
 
+    def progress(self, name: str, total: int):
+        """A progress for long work in :meth:`finish` (``step()`` per item, ``close()``): rank 0's stage
+        progress when the trainer shows one, else nothing."""
+        from .progress import NullBar, StageProgress
+
+        pb = getattr(self.trainer, "progress_bar_callback", None)
+        return pb.bar(name, total) if isinstance(pb, StageProgress) else NullBar()
+
     # ---------------------------------------------------------------- driver
     def run(self, trainer: L.Trainer, data: Dataset, batch_size: int | None = 1) -> "DataPass":
         """Visit every item of ``data`` once over all ranks, then reduce and :meth:`finish`."""

@@ -129,6 +129,11 @@ class StageProgress(ProgressBar):
     def tty(self) -> bool:
         return self._tty if self._tty is not None else _is_tty(self.stream)
 
+    def bar(self, name: str, total: int) -> "_Bar | NullBar":
+        """A progress of its own for work a pass does after its loop (its ``finish``: the guard's
+        candidates, ``lra_auto``'s fits), where the pass's own bar has already closed."""
+        return _Bar(self, name, total) if self._enabled else NullBar()
+
     def _open(self, key: str, name: str, total, done: int = 0) -> None:
         if self._enabled:
             self._bars[key] = _Bar(self, name, total, done, position=len(self._bars))
@@ -177,6 +182,16 @@ class StageProgress(ProgressBar):
         if "val" in self._bars and ppl is not None:
             self._bars["val"].extra = f"val/ppl {float(ppl):.4g}"
         self._close("val")
+
+
+class NullBar:
+    """A progress that shows nothing (progress off, or a rank other than 0)."""
+
+    def step(self, n: int = 1, extra: str = "") -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class _Plain:

@@ -236,6 +236,33 @@ def test_progress_lines_name_their_stage_in_a_log_file():
     assert lines[5].endswith("held-out errors: 4 steps") and "held-out errors: done" in lines[-1]
 
 
+@pytest.mark.parametrize("solver, mode, stage", [
+    ("guarded", "independent", "guard: closeness to the original on held-out windows, each candidate"),
+    ("lra_auto", "auto", "lra_auto: closeness of each fit on held-out windows, each fit")])
+def test_the_judges_work_after_their_pass_shows_progress(solver, mode, stage):
+    """The guard's and lra_auto's judges run the candidates after the pass's own bar has closed (minutes per
+    span on a real model): that work has a progress of its own, one step per candidate or fit."""
+    import lightning as L
+
+    from shift_lightning.calibration import CalibrationConfig, CalibrationModule
+    from shift_lightning.data import TextDataConfig, build_windows
+    from shift_lightning.models import build_tiny_model
+    from shift_lightning.progress import StageProgress
+
+    model, tok = build_tiny_model("llama")
+    windows = build_windows(TextDataConfig(source=CORPUS, num_samples=8, seq_len=48), tok)
+    log = io.StringIO()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, inference_mode=False, use_distributed_sampler=False,
+                        callbacks=[StageProgress(interval=0, stream=log, tty=False)])
+    mod = CalibrationModule(model, [1, 3, 4], CalibrationConfig(solver=solver, mode=mode, guard_topk=16))
+    mod.calibrate(trainer, windows, batch_size=2)
+    lines = [x for x in log.getvalue().splitlines() if f"] {stage}: " in x]
+    n = len(mod.fit_choice["kl"]) if solver == "lra_auto" else sum(len(r["guard"]["kl"]) for r in mod.span_reports())
+    assert lines[0].endswith(f"{stage}: {n} steps"), log.getvalue()
+    assert re.search(rf"{stage}: done, {n} steps in 0:00:\d\d", lines[-1]) and len(lines) == n + 1
+
+
 def test_grid_evaluation_shows_progress_in_a_log_file(capsys):
     """The grids evaluate outside Lightning (``evaluate_model``): each pass still names itself, with a
     closing line, instead of tqdm's carriage returns (and the grid's own trainer shows its passes)."""

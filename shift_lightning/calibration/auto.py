@@ -51,11 +51,14 @@ class FitJudge(GuardJudge):
     @torch.no_grad()
     def finish(self) -> None:
         sums = torch.zeros(len(self.fits), 3, dtype=torch.float64, device=self.device)
-        for fi, maps in enumerate(self.fits.values()):
+        bar = self.progress(f"{self.stage}, each fit", len(self.fits))
+        for fi, (name, maps) in enumerate(self.fits.items()):
             for m in maps.values():
                 if m.adapter is not None:
                     m.adapter.to(self.device)
             self._score([e["h"] for e in self._batches], self.b0, maps, sums[fi])
+            bar.step(extra=name)
+        bar.close()
         sum_across_ranks([sums], self.trainer)
         n = sums[:, 2].clamp_min(1)
         kl, top1 = (sums[:, 0] / n).tolist(), (sums[:, 1] / n).tolist()

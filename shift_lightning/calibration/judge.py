@@ -138,6 +138,7 @@ class GuardJudge(DataPass):
         maps = dict(self.default)
         states = [e["h"] for e in self._batches]
         at = self.b0
+        bar = self.progress(f"{self.stage}, each candidate", sum(len(self.candidates[sp.key]) for sp in self.spans))
         for sp in self.spans:
             entry = max(sp.start - 1, 0)
             states = [self._run(e, h, at, entry, maps) for e, h in zip(self._batches, states)]
@@ -147,6 +148,7 @@ class GuardJudge(DataPass):
             for ci, cand in enumerate(cands):
                 maps[sp.key] = cand
                 self._score(states, entry, maps, sums[ci])
+                bar.step(extra=f"blocks {sp.start}..{sp.end - 1}: {cand.source}")
             sum_across_ranks([sums], self.trainer)
             n = sums[:, 2].clamp_min(1)
             kl_mean, top1 = (sums[:, 0] / n).tolist(), (sums[:, 1] / n).tolist()
@@ -156,4 +158,5 @@ class GuardJudge(DataPass):
             self.results[sp.key] = {"chosen": cands[best].source, "positions": int(sums[0, 2].item()),
                                     "kl": {c.source: v for c, v in zip(cands, kl_mean)},
                                     "top1": {c.source: v for c, v in zip(cands, top1)}}
+        bar.close()
         self._batches = []
