@@ -459,3 +459,31 @@ def test_maps_check_reuses_tasks_only_when_perplexity_and_kl_agree():
     off = {**same, "kl": {"wiki": 0.5, "tasks": 0.41}}  # another map: KL 2.5 % away
     assert _maps_check(off, "c/lra_span", doc) is None
     assert _maps_check({"perplexity": {"other": {"ppl": 1.0}}}, "c/lra_span", doc) is None  # nothing to compare
+
+
+def test_a_guard_that_kept_the_lra_or_the_span_lra_names_that_row_as_its_twin():
+    """The guard refits the candidate it chose as that candidate's own variant is fitted, so where it kept
+    the LRA at the calibration damping at every span (``guarded``: the ``lra`` row), or one LRA per
+    multi-block span (``guarded_span``: the ``lra_span`` row), that row's zero-shot outcomes can be reused
+    once :func:`_maps_check` finds the same perplexity and KL; any other choice has no twin."""
+    from types import SimpleNamespace
+
+    from shift_lightning.calibration.sites import span_sites
+    from shift_lightning.recipes.reproduce import _twin
+
+    cfg = _tiny_grid(Path("."), damping=1e-4)
+    spans = span_sites([2, 5, 6])  # a one-block span and a two-block one
+
+    def module(variant, *chosen):
+        reports = {s.key: {"guards": {variant: {"chosen": c}}} for s, c in zip(spans, chosen)}
+        return SimpleNamespace(fit_choice=None, guards=[variant], spans=spans, reports=reports)
+
+    assert _twin(cfg, module("guarded", "lra@0.0001", "lra@0.0001"), "guarded") == "lra"
+    assert _twin(cfg, module("guarded_span", "lra@0.0001", "lra@0.0001"), "guarded_span") == "lra"
+    assert _twin(cfg, module("guarded_span", "lra@0.0001", "lra@span"), "guarded_span") == "lra_span"
+    for chosen in (("lra@0.01", "lra@0.0001"), ("nobias", "lra@0.0001"), ("lra@0.0001", "replaceme"),
+                   ("none", "lra@span")):
+        assert _twin(cfg, module("guarded_span", *chosen), "guarded_span") is None, chosen
+    assert _twin(cfg, module("guarded", "lra@0.0001", "lra@0.0001"), "lra") is None  # not a guard's run
+    auto = SimpleNamespace(fit_choice={"chosen": "lra_sequential"}, guards=[], spans=spans, reports={})
+    assert _twin(cfg, auto, "lra_auto") == "lra_sequential"

@@ -326,7 +326,7 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
         name = f"{crit}/{variant}"
         correction = modules[variant].correction(variant) if variant != "pruned" else None
         t1 = time.time()
-        same = _same_maps(cfg, runs, crit, modules[variant]) if variant in new and correction is not None else None
+        same = _same_maps(cfg, runs, crit, modules[variant], variant) if variant in new and correction is not None else None
         with harness.corrected(model, correction, n_layers, layers):
             res = ctx.evaluate(model, cache, record=i == 0, tasks=variant in new and same is None)
             if same is not None:  # the tasks are the other run's once perplexity and closeness agree
@@ -354,11 +354,30 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
                  ", ".join(f"{k} {v:.3f}" for k, v in res.get("kl", {}).items()), time.time() - t1)
 
 
-def _same_maps(cfg: ReproduceConfig, runs: harness.RunFolder, crit: str, module: CalibrationModule):
+def _twin(cfg: ReproduceConfig, module: CalibrationModule, variant: str) -> str | None:
+    """The variant whose maps ``variant``'s are, by construction, when its choices say so: ``lra_auto``'s
+    chosen fit; a guard that kept the LRA at the calibration damping at every span (``lra``), or, for
+    ``guarded_span``, one LRA per span wherever a span has two or more blocks (``lra_span``)."""
+    if module.fit_choice is not None:
+        return module.fit_choice.get("chosen")
+    if variant not in module.guards:
+        return None
+    lra = f"lra@{cfg.damping:g}"
+    chosen = [(module.reports[s.key].get("guards", {}).get(variant, {}).get("chosen"), s.end - s.start)
+              for s in module.spans]
+    if all(c == lra for c, _ in chosen):
+        return "lra"
+    if variant == "guarded_span" and all(c == "lra@span" or (c == lra and n == 1) for c, n in chosen):
+        return "lra_span"
+    return None
+
+
+def _same_maps(cfg: ReproduceConfig, runs: harness.RunFolder, crit: str, module: CalibrationModule, variant: str):
     """``lra_auto`` refits the fit it chose exactly as that fit's own variant is fitted (same windows,
-    settings and solve): ``(name, doc)`` of this criterion's finished run of that variant, if any, whose
+    settings and solve), and a guard refits the candidate it chose as that candidate's variant is fitted
+    (:func:`_twin`): ``(name, doc)`` of this criterion's finished run of that variant, if any, whose
     zero-shot outcomes then need not be recomputed (:func:`_maps_check` decides)."""
-    chosen = (module.fit_choice or {}).get("chosen")
+    chosen = _twin(cfg, module, variant)
     name = f"{crit}/{chosen}"
     if chosen is None or not runs.done(name):
         return None
