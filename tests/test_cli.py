@@ -209,9 +209,18 @@ def test_too_few_tokens_warn_and_too_long_windows_refuse_before_any_pass(monkeyp
 # ------------------------------------------------------------------------------------------------
 # Progress
 # ------------------------------------------------------------------------------------------------
-def test_progress_lines_name_their_stage_in_a_log_file():
+def _logging_trainer(log):
+    """A one-process CPU Trainer whose stage progress goes, as plain lines, to ``log``."""
     import lightning as L
 
+    from shift_lightning.progress import StageProgress
+
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                     enable_model_summary=False, inference_mode=False, use_distributed_sampler=False,
+                     callbacks=[StageProgress(interval=0, stream=log, tty=False)])
+
+
+def test_progress_lines_name_their_stage_in_a_log_file():
     from shift_lightning.calibration import CalibrationModule
     from shift_lightning.data import TextDataConfig, build_windows
     from shift_lightning.models import build_tiny_model
@@ -222,9 +231,7 @@ def test_progress_lines_name_their_stage_in_a_log_file():
     model, tok = build_tiny_model("llama")
     windows = build_windows(TextDataConfig(source=CORPUS, num_samples=8, seq_len=48), tok)
     log = io.StringIO()
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_model_summary=False, inference_mode=False, use_distributed_sampler=False,
-                        callbacks=[StageProgress(interval=0, stream=log, tty=False)])
+    trainer = _logging_trainer(log)
     CalibrationModule(model, [2, 3]).calibrate(trainer, windows, windows, batch_size=2)
     lines = log.getvalue().splitlines()
     assert "Predicting" not in log.getvalue()
@@ -242,19 +249,14 @@ def test_progress_lines_name_their_stage_in_a_log_file():
 def test_the_judges_work_after_their_pass_shows_progress(solver, mode, stage):
     """The guard's and lra_auto's judges run the candidates after the pass's own bar has closed (minutes per
     span on a real model): that work has a progress of its own, one step per candidate or fit."""
-    import lightning as L
-
     from shift_lightning.calibration import CalibrationConfig, CalibrationModule
     from shift_lightning.data import TextDataConfig, build_windows
     from shift_lightning.models import build_tiny_model
-    from shift_lightning.progress import StageProgress
 
     model, tok = build_tiny_model("llama")
     windows = build_windows(TextDataConfig(source=CORPUS, num_samples=8, seq_len=48), tok)
     log = io.StringIO()
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_model_summary=False, inference_mode=False, use_distributed_sampler=False,
-                        callbacks=[StageProgress(interval=0, stream=log, tty=False)])
+    trainer = _logging_trainer(log)
     mod = CalibrationModule(model, [1, 3, 4], CalibrationConfig(solver=solver, mode=mode, guard_topk=16))
     mod.calibrate(trainer, windows, batch_size=2)
     lines = [x for x in log.getvalue().splitlines() if f"] {stage}: " in x]

@@ -50,13 +50,6 @@ def _all_of(hits: int, run: int, total: int) -> str:
     return MET if run == total else OPEN
 
 
-def _none_of(misses: int, run: int, total: int) -> str:
-    """A target that no criterion may fail."""
-    if misses:
-        return NOT_MET
-    return MET if run == total else OPEN
-
-
 def _at_least(hits: int, run: int, total: int, need: int) -> str:
     if hits >= need:
         return MET
@@ -81,7 +74,7 @@ def summarize(doc: dict, cfg: TargetsSummaryConfig) -> list[dict]:
             "robust_above_replaceme": [len(t["robust_above_replaceme"]), rm],
             "status": {
                 "closer": _all_of(len(t["closer"]), t["closer_of"], total),
-                "no_harm": _none_of(len(t["harm"]), t["harm_of"], total),
+                "no_harm": _all_of(t["harm_of"] - len(t["harm"]), t["harm_of"], total),
                 "robust": MET if b["robust"] >= cfg.robust_goal else NOT_MET if t["criteria"] == total else OPEN,
                 "kl_vs_replaceme": _all_of(len(t["kl_below_replaceme"]), rm, total),
                 "robust_vs_replaceme": _at_least(len(t["robust_above_replaceme"]), rm, total, cfg.robust_above)}})
@@ -121,8 +114,8 @@ def render(cfg: TargetsSummaryConfig) -> Path:
         raise FileNotFoundError(f"Fidelity tables not found: {missing}. Render each with python -m "
                                 "shift_lightning.recipes.fidelity_table --repair <repair> --out <path without .json>")
     docs = [json.loads(Path(p).read_text()) for p in cfg.tables]
-    lines = [x for m in dict.fromkeys(x["model"] for d in docs for x in d["models"])
-             for d in docs for x in summarize(d, cfg) if x["model"] == m]
+    models = list(dict.fromkeys(m["model"] for d in docs for m in d["models"]))
+    lines = sorted((x for d in docs for x in summarize(d, cfg)), key=lambda x: models.index(x["model"]))
     out = Path(cfg.out)
     write_json_atomic(out.with_suffix(".json"), {"grid": cfg.grid, "robust_goal": cfg.robust_goal,
                                                  "robust_above": cfg.robust_above, "tables": cfg.tables,
