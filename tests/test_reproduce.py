@@ -485,5 +485,9 @@ def test_a_guard_that_kept_the_lra_or_the_span_lra_names_that_row_as_its_twin():
                    ("none", "lra@span")):
         assert _twin(cfg, module("guarded_span", *chosen), "guarded_span") is None, chosen
     assert _twin(cfg, module("guarded", "lra@0.0001", "lra@0.0001"), "lra") is None  # not a guard's run
+    # the span LRA is the per-block LRA where every removed block is a span of its own
+    assert _twin(cfg, SimpleNamespace(fit_choice=None, guards=[], spans=span_sites([2, 5, 8]), reports={}),
+                 "lra_span") == "lra"
+    assert _twin(cfg, SimpleNamespace(fit_choice=None, guards=[], spans=spans, reports={}), "lra_span") is None
     auto = SimpleNamespace(fit_choice={"chosen": "lra_sequential"}, guards=[], spans=spans, reports={})
     assert _twin(cfg, auto, "lra_auto") == "lra_sequential"

@@ -357,9 +357,12 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
 def _twin(cfg: ReproduceConfig, module: CalibrationModule, variant: str) -> str | None:
     """The variant whose maps ``variant``'s are, by construction, when its choices say so: ``lra_auto``'s
     chosen fit; a guard that kept the LRA at the calibration damping at every span (``lra``), or, for
-    ``guarded_span``, one LRA per span wherever a span has two or more blocks (``lra_span``)."""
+    ``guarded_span``, one LRA per span wherever a span has two or more blocks (``lra_span``); the span
+    LRA where every span is one block (the per-block ``lra``: :func:`~shift_lightning.calibration.auto.coinciding_fits`)."""
     if module.fit_choice is not None:
         return module.fit_choice.get("chosen")
+    if variant == "lra_span" and all(s.end - s.start == 1 for s in module.spans):
+        return "lra"
     if variant not in module.guards:
         return None
     lra = f"lra@{cfg.damping:g}"
