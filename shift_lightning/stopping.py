@@ -30,7 +30,8 @@ stopping differently, or is dead. The entry points run inside :func:`guarded`, w
   that Lightning's own interrupt handling killed (-9), would otherwise get rank 0 killed in the
   middle of its orderly stop (exit -9, its last lines lost). The grace timer still bounds rank 0.
 
-Forced exits write one line to stderr saying why.
+Forced exits write one line to stderr saying why; when the grace runs out, every thread's stack
+follows it (where the run was stuck, for a bug report).
 """
 
 from __future__ import annotations
@@ -89,8 +90,16 @@ def _say(line: str) -> None:
         pass
 
 
-def _force_exit(code: int, why: str) -> None:
+def _force_exit(code: int, why: str, where: bool = False) -> None:
     _say(f"error: {why}")
+    if where:  # where the run was stuck: every thread's stack, for a bug report
+        try:
+            import faulthandler
+
+            _say("  the threads' stacks when the grace ran out (most recent call first):")
+            faulthandler.dump_traceback(file=2, all_threads=True)
+        except (OSError, ValueError, RuntimeError):
+            pass
     os._exit(code)
 
 
@@ -186,7 +195,8 @@ def _watch_signals(sock: socket.socket, stop: threading.Event) -> None:
             if _state.timer is None:
                 grace = _grace()
                 _state.timer = threading.Timer(grace, _force_exit, (code, f"the run did not stop within {grace:g} s "
-                                                                          f"of {name}; exiting by force ({GRACE_ENV})"))
+                                                                          f"of {name}; exiting by force ({GRACE_ENV})",
+                                                                    True))
                 _state.timer.daemon = True
                 _state.timer.start()
 

@@ -490,10 +490,11 @@ def test_ctrl_c_to_the_process_group_ends_every_rank_of_a_ddp_training(tmp_path,
         time.sleep(1.0)
         os.killpg(p.pid, sig)
         took = _wait_gone([p.pid, rank1], timeout=60)
-        assert p.wait(timeout=5) == 128 + sig, log.read_text()[-3000:]
+        err = log.read_text()[-6000:]  # on a forced exit: where the run was stuck (every thread's stack)
+        assert p.wait(timeout=5) == 128 + sig, err
         name = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
-        assert f"interrupted: the run stopped on {name}" in log.read_text()
-        assert "exiting by force" not in log.read_text()  # stopped by itself, not by the watchdog
+        assert f"interrupted: the run stopped on {name}" in err, err
+        assert "exiting by force" not in err, err  # stopped by itself, not by the watchdog
         assert took < 15 and not out.exists()
         ck = read_checkpoint(tmp_path / "o.ckpt" / "last.ckpt")  # intact and resumable (atomic writes)
         assert ck["global_step"] >= 2 and len(ck["shift_lightning"]["loss_history"]) == ck["global_step"]
@@ -569,6 +570,38 @@ def test_a_run_started_with_ctrl_c_ignored_keeps_ignoring_it():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, prior)
+
+
+def test_a_run_that_does_not_stop_within_the_grace_exits_by_force_saying_where_it_was_stuck(tmp_path):
+    """A run that does not stop (here: Ctrl-C swallowed, as Lightning does during its shutdown, and a loop
+    standing for a collective that never returns) is ended ``SHIFT_LIGHTNING_STOP_GRACE`` seconds after
+    Ctrl-C with status 130, one line saying why, and every thread's stack, so that the hang can be reported."""
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import signal, time\n"
+        "from shift_lightning import stopping\n"
+        "def stuck_in_a_collective():\n"
+        "    while True:\n"
+        "        time.sleep(0.05)\n"
+        "with stopping.guarded():\n"
+        "    signal.signal(signal.SIGINT, lambda *_: print('swallowed', flush=True))\n"
+        "    print('ready', flush=True)\n"
+        "    stuck_in_a_collective()\n")
+    env = {**os.environ, stopping.GRACE_ENV: "1", "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, preexec_fn=_sigint_default)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        t0 = time.time()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 130 and time.time() - t0 < 30
+        assert "swallowed" in out  # the Ctrl-C reached the main thread, which went on
+        assert "error: the run did not stop within 1 s of SIGINT; exiting by force" in err
+        assert "stuck_in_a_collective" in err and "most recent call first" in err
+    finally:
+        if p.poll() is None:
+            p.kill()
 
 
 def test_ctrl_c_during_calibration_is_one_line_and_status_130(tmp_path, monkeypatch, capsys, ctrl_c_reaches_python):
