@@ -58,3 +58,24 @@ def test_the_committed_summary_is_the_committed_fidelity_tables(tmp_path, monkey
     out = render(TargetsSummaryConfig(out=str(tmp_path / "t")))
     assert json.loads(out.with_suffix(".json").read_text())["lines"] == committed["lines"]
     assert out.with_suffix(".md").read_text() == (ROOT / "results" / "targets.md").read_text()
+
+
+def test_each_significant_fall_is_listed_with_its_interval_and_the_task_that_fell_most(tmp_path):
+    doc = _doc("lra", CRITERIA, CRITERIA, ["c"], 0.7, CRITERIA, CRITERIA)
+    doc["models"][0]["rows"][2]["targets"] = {"mixed": {
+        "vs_pruned": {"avg_diff": -0.03, "avg_diff_ci": [-0.046, -0.014], "robust_diff": 0.02,
+                      "robust_diff_ci": [-0.1, 0.15]},
+        "largest_task_drop": {"task": "boolq", "pruned": 0.565, "repaired": 0.345, "original": 0.36,
+                              "avg_share": -0.031}}}
+    line = summarize(doc, TargetsSummaryConfig())[0]
+    assert [f["criterion"] for f in line["falls"]] == ["c"]
+    p = tmp_path / "lra.json"
+    p.write_text(json.dumps(doc))
+    md = render(TargetsSummaryConfig(tables=[str(p)], out=str(tmp_path / "t"))).with_suffix(".md").read_text()
+    assert ("- m `lra`: c (Avg -3.0 [-4.6, -1.4]↓, Robust +2.0 [-10.0, +15.0]; boolq 56.5 → 34.5, original 36.0)"
+            in md)
+    # no falls, no section
+    clean = _doc("lra", CRITERIA, CRITERIA, [], 0.7, CRITERIA, CRITERIA)
+    p.write_text(json.dumps(clean))
+    md = render(TargetsSummaryConfig(tables=[str(p)], out=str(tmp_path / "t"))).with_suffix(".md").read_text()
+    assert "significantly below pruning (paired" not in md

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..outputs import write_json_atomic, write_text_atomic
-from .tables.common import fmt_ci
+from .tables.common import fmt_ci, fmt_diff
 
 MET, NOT_MET, OPEN = "met", "not met", "open"
 
@@ -56,6 +56,14 @@ def _at_least(hits: int, run: int, total: int, need: int) -> str:
     return NOT_MET if hits + (total - run) < need else OPEN
 
 
+def _falls(model: dict, grid: str, harm: list[str]) -> list[dict]:
+    """Per criterion where the repair is significantly below pruning: the paired differences and the task
+    that fell most (the fidelity table's own reading, so that a ✗ carries its reason)."""
+    by = {r["criterion"]: r.get("targets", {}).get(grid) or {} for r in model["rows"]}
+    return [{"criterion": c, "vs_pruned": by.get(c, {}).get("vs_pruned"),
+             "largest_task_drop": by.get(c, {}).get("largest_task_drop")} for c in harm]
+
+
 def summarize(doc: dict, cfg: TargetsSummaryConfig) -> list[dict]:
     """One line per model of a fidelity table: its counts for ``cfg.grid`` and each target's status."""
     lines = []
@@ -69,7 +77,7 @@ def summarize(doc: dict, cfg: TargetsSummaryConfig) -> list[dict]:
         lines.append({
             "model": m["model"], "repair": doc["repair"], "criteria": t["criteria"], "of": total,
             "closer": [len(t["closer"]), t["closer_of"]], "harm": [len(t["harm"]), t["harm_of"]],
-            "harm_criteria": t["harm"], "best_robust": b,
+            "harm_criteria": t["harm"], "falls": _falls(m, cfg.grid, t["harm"]), "best_robust": b,
             "kl_below_replaceme": [len(t["kl_below_replaceme"]), rm],
             "robust_above_replaceme": [len(t["robust_above_replaceme"]), rm],
             "status": {
@@ -105,7 +113,25 @@ def markdown(lines: list[dict], cfg: TargetsSummaryConfig) -> str:
                    f"{x['kl_below_replaceme'][0]} of {x['kl_below_replaceme'][1]}{_mark(s['kl_vs_replaceme'])} | "
                    f"{x['robust_above_replaceme'][0]} of {x['robust_above_replaceme'][1]}"
                    f"{_mark(s['robust_vs_replaceme'])} |")
+    falls = [x for x in lines if x.get("falls")]
+    if falls:
+        out += ["", "Where a repair is significantly below pruning (paired difference, repaired − pruned, with its "
+                "95 % interval; the task that fell most, pruned → repaired, and the original's accuracy):", ""]
+        for x in falls:
+            out.append(f"- {x['model']} `{x['repair']}`: " + "; ".join(_fall(f) for f in x["falls"]))
     return "\n".join(out) + "\n"
+
+
+def _fall(f: dict) -> str:
+    d, v = f.get("largest_task_drop"), f.get("vs_pruned")
+    text = f["criterion"]
+    if v:
+        text += f" (Avg {fmt_diff(v, 'avg')}, Robust {fmt_diff(v, 'robust')}"
+        if d:
+            o = f", original {100 * d['original']:.1f}" if d.get("original") is not None else ""
+            text += f"; {d['task']} {100 * d['pruned']:.1f} → {100 * d['repaired']:.1f}{o}"
+        text += ")"
+    return text
 
 
 def render(cfg: TargetsSummaryConfig) -> Path:
