@@ -244,6 +244,9 @@ def test_anchored_and_auto_rows_take_passes_of_their_own(tmp_path):
     if choice["chosen"] in ("lra", "lra_span"):  # its maps are that run's: perplexity and KL checked, tasks reused
         assert rows["lra_auto"]["tasks_from"] == f"reverse_star/{choice['chosen']}"
         assert rows["lra_auto"]["maps_check"]["max_rel_diff"] <= 1e-4 and rows["lra_auto"]["maps_check"]["values"]
+    # its maps are the span LRA's, so that row's zero-shot outcomes are reused once perplexity and KL agree
+    assert rows["lra_anchored"]["tasks_from"] == "reverse_star/lra_span"
+    assert rows["lra_anchored"]["maps_check"]["max_rel_diff"] <= 1e-4
     for a, b in (("lra_anchored", "lra_span"), ("lra_auto", same)):
         for ppl_set, e in rows[b]["perplexity"].items():
             assert rows[a]["perplexity"][ppl_set]["ppl"] == pytest.approx(e["ppl"], rel=1e-5)
@@ -489,5 +492,34 @@ def test_a_guard_that_kept_the_lra_or_the_span_lra_names_that_row_as_its_twin():
     assert _twin(cfg, SimpleNamespace(fit_choice=None, guards=[], spans=span_sites([2, 5, 8]), reports={}),
                  "lra_span") == "lra"
     assert _twin(cfg, SimpleNamespace(fit_choice=None, guards=[], spans=spans, reports={}), "lra_span") is None
+    # the anchored span LRA has nothing to anchor before its first span: with one span it is the span LRA
+    one_span = span_sites([5, 6, 7])
+    assert _twin(cfg, SimpleNamespace(fit_choice=None, guards=[], spans=one_span, reports={}),
+                 "lra_anchored") == "lra_span"
+    assert _twin(cfg, SimpleNamespace(fit_choice=None, guards=[], spans=span_sites([5]), reports={}),
+                 "lra_anchored") == "lra"
+    assert _twin(cfg, SimpleNamespace(fit_choice=None, guards=[], spans=spans, reports={}), "lra_anchored") is None
     auto = SimpleNamespace(fit_choice={"chosen": "lra_sequential"}, guards=[], spans=spans, reports={})
     assert _twin(cfg, auto, "lra_auto") == "lra_sequential"
+
+
+def test_a_twin_whose_own_outcomes_were_reused_points_to_the_run_that_evaluated_them(tmp_path):
+    """``lra_anchored`` with one span is the span LRA, whose row may itself have reused another row's
+    outcomes: the reuse then names the run that evaluated the tasks, never a copy."""
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from shift_lightning.calibration.sites import span_sites
+    from shift_lightning.recipes import harness
+    from shift_lightning.recipes.reproduce import _same_maps
+
+    cfg = _tiny_grid(tmp_path, damping=1e-4)
+    runs = harness.RunFolder(tmp_path / "runs")
+    base = {"config": asdict(cfg), "fidelity": {}, "tasks": {"arc_easy": {}}}
+    runs.write("taylor/lra", base)
+    runs.write("taylor/lra_span", {**base, "tasks_from": "taylor/lra"})
+    module = SimpleNamespace(fit_choice=None, guards=[], spans=span_sites([4, 5]), reports={})
+    name, doc = _same_maps(cfg, runs, "taylor", module, "lra_anchored")
+    assert name == "taylor/lra" and "tasks_from" not in doc
+    runs.path("taylor/lra").unlink()  # the evaluated run is gone: nothing to reuse
+    assert _same_maps(cfg, runs, "taylor", module, "lra_anchored") is None

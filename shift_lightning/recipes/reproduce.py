@@ -34,6 +34,7 @@ from typing import Literal
 import torch
 
 from ..calibration import SOLVERS, CalibrationConfig, CalibrationModule
+from ..calibration.auto import coinciding_fits
 from ..criteria import PruneConfig
 from ..errors import ConfigError
 from ..evaluation.runner import EvalConfig
@@ -358,11 +359,13 @@ def _twin(cfg: ReproduceConfig, module: CalibrationModule, variant: str) -> str 
     """The variant whose maps ``variant``'s are, by construction, when its choices say so: ``lra_auto``'s
     chosen fit; a guard that kept the LRA at the calibration damping at every span (``lra``), or, for
     ``guarded_span``, one LRA per span wherever a span has two or more blocks (``lra_span``); the span
-    LRA where every span is one block (the per-block ``lra``: :func:`~shift_lightning.calibration.auto.coinciding_fits`)."""
+    LRA where every span is one block (the per-block ``lra``), and the anchored span LRA where there is
+    one span (nothing before it to anchor: the span LRA; :func:`~shift_lightning.calibration.auto.coinciding_fits`)."""
     if module.fit_choice is not None:
         return module.fit_choice.get("chosen")
-    if variant == "lra_span" and all(s.end - s.start == 1 for s in module.spans):
-        return "lra"
+    if variant in ("lra_span", "lra_anchored"):
+        fits = [("lra", "block", "independent"), ("lra_span", "span", "independent"), ("lra_anchored", "span", "anchored")]
+        return coinciding_fits(fits, module.spans).get(variant)
     if variant not in module.guards:
         return None
     lra = f"lra@{cfg.damping:g}"
@@ -385,6 +388,9 @@ def _same_maps(cfg: ReproduceConfig, runs: harness.RunFolder, crit: str, module:
     if chosen is None or not runs.done(name):
         return None
     doc = runs.read(name)
+    if doc.get("tasks_from") and runs.done(doc["tasks_from"]):  # a twin's twin: the run that evaluated them
+        name = doc["tasks_from"]
+        doc = runs.read(name)
     return (name, doc) if _same_settings(cfg, doc) and "fidelity" in doc and not doc.get("tasks_from") else None
 
 
