@@ -18,7 +18,9 @@ stopping differently, or is dead. The entry points run inside :func:`guarded`, w
 * under DDP, SIGTERM taken back from Lightning once a Trainer runs (:class:`SigtermAsInterrupt`,
   added by :func:`with_signal_guard`): Lightning's own SIGTERM handler runs a collective inside the
   handler, and when the signal reaches every rank (``kill -TERM`` to the group, a scheduler) the
-  ranks run unmatched collectives and hang; SIGTERM then stops the run like Ctrl-C;
+  ranks run unmatched collectives and hang; SIGTERM then stops the run like Ctrl-C. In a predict
+  pass (calibration statistics, selection, evaluation) it is taken back in one process too: there
+  Lightning only notes it;
 * in a process launched as rank > 0: a parent watch. Lightning launches ranks 1..N-1 as children
   of rank 0; when rank 0 dies (SIGKILL, the OOM killer) they exit within seconds instead of
   waiting in the rendezvous or a collective. Rank 0 records its pid for them
@@ -261,12 +263,15 @@ import lightning as L  # noqa: E402  (the rest of the module is framework-free)
 
 
 class SigtermAsInterrupt(L.Callback):
-    """Under DDP, once the Trainer has installed its signal handlers, SIGTERM raises
-    ``KeyboardInterrupt`` (held back during the update, like Ctrl-C) instead of running Lightning's
-    handler (see the module docstring)."""
+    """Once the Trainer has installed its signal handlers, SIGTERM raises ``KeyboardInterrupt`` (held
+    back during the update, like Ctrl-C) instead of running Lightning's handler: under DDP (see the
+    module docstring), and in every predict pass, where Lightning only notes the signal (its prediction
+    loop never looks at it), so a one-process calibration, selection or evaluation ran on to the end of
+    its pass and the work after it, until the grace timer ended it by force. Lightning restores the
+    handler it replaced when the Trainer call ends."""
 
-    def _take(self, trainer) -> None:
-        if _state.active and trainer.world_size > 1 and threading.current_thread() is threading.main_thread():
+    def _take(self, trainer, always: bool = False) -> None:
+        if _state.active and (always or trainer.world_size > 1) and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _on_sigint)
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -276,7 +281,7 @@ class SigtermAsInterrupt(L.Callback):
         self._take(trainer)
 
     def on_predict_start(self, trainer, pl_module) -> None:
-        self._take(trainer)
+        self._take(trainer, always=True)
 
 
 def with_signal_guard(trainer_kwargs: dict) -> dict:
