@@ -33,6 +33,7 @@ class TargetsSummaryConfig:
     """The fidelity tables to read (one per repair) and the targets' thresholds."""
 
     tables: list[str] = field(default_factory=lambda: ["results/fidelity.json", "results/fidelity_lra_span.json",
+                                                       "results/fidelity_lra_anchored.json",
                                                        "results/fidelity_lra_auto.json",
                                                        "results/fidelity_guarded_span.json"])
     grid: str = "mixed"
