@@ -311,6 +311,9 @@ def test_domain_comparison_of_two_grids(tmp_path):
     if drop is not None:
         assert drop["task"] == worst and drop["original"] == runs["original"]["tasks"][worst]["value"]
         assert abs(drop["avg_share"] - falls[worst] / len(falls)) < 1e-12
+    split = row["avg_towards_original"]  # Avg's change = back towards the original + the rest
+    assert abs(split["avg_diff"] - sum(falls.values()) / len(falls)) < 1e-12
+    assert abs(split["towards"] + split["rest"] - split["avg_diff"]) < 1e-12
     md = out.with_suffix(".md").read_text()
     assert "| reverse_star |" in md and "| angular | … |" in md and "**mixed** (1 of 2 criteria run)" in md
     assert md.count("against the better ReplaceMe fitted on the same text: lower KL on every set under") == 2

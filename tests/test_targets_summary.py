@@ -66,16 +66,37 @@ def test_each_significant_fall_is_listed_with_its_interval_and_the_task_that_fel
         "vs_pruned": {"avg_diff": -0.03, "avg_diff_ci": [-0.046, -0.014], "robust_diff": 0.02,
                       "robust_diff_ci": [-0.1, 0.15]},
         "largest_task_drop": {"task": "boolq", "pruned": 0.565, "repaired": 0.345, "original": 0.36,
-                              "avg_share": -0.031}}}
+                              "avg_share": -0.031},
+        "avg_towards_original": {"avg_diff": -0.03, "towards": -0.029, "rest": -0.001}}}
     line = summarize(doc, TargetsSummaryConfig())[0]
     assert [f["criterion"] for f in line["falls"]] == ["c"]
     p = tmp_path / "lra.json"
     p.write_text(json.dumps(doc))
     md = render(TargetsSummaryConfig(tables=[str(p)], out=str(tmp_path / "t"))).with_suffix(".md").read_text()
-    assert ("- m `lra`: c (Avg -3.0 [-4.6, -1.4]↓, Robust +2.0 [-10.0, +15.0]; boolq 56.5 → 34.5, original 36.0)"
-            in md)
+    assert ("- m `lra`: c (Avg -3.0 [-4.6, -1.4]↓, Robust +2.0 [-10.0, +15.0]; boolq 56.5 → 34.5, original 36.0; "
+            "Avg -2.9 back towards the original, -0.1 the rest)" in md)
     # no falls, no section
     clean = _doc("lra", CRITERIA, CRITERIA, [], 0.7, CRITERIA, CRITERIA)
     p.write_text(json.dumps(clean))
     md = render(TargetsSummaryConfig(tables=[str(p)], out=str(tmp_path / "t"))).with_suffix(".md").read_text()
     assert "significantly below pruning (paired" not in md
+
+
+def test_avg_change_splits_into_the_move_back_towards_the_original_and_the_rest():
+    """Per task the change from pruning is clipped into [pruned, original]: that part is the repair undoing
+    what pruning changed; a move past the original, or away from it, is the rest."""
+    from shift_lightning.recipes.fidelity_table import _towards_original
+
+    def run(**acc):
+        return {"tasks": {t: {"value": v} for t, v in acc.items()}}
+
+    original = run(boolq=0.36, arc=0.45, piqa=0.60, hs=0.40)
+    pruned = run(boolq=0.565, arc=0.38, piqa=0.55, hs=0.40)
+    # boolq falls past the original (-0.205 back, -0.015 past), arc rises short of it (+0.02 back),
+    # piqa falls away from it (-0.03 rest), hs moves where pruning had not moved it (+0.01 rest)
+    x = _towards_original(run(boolq=0.345, arc=0.40, piqa=0.52, hs=0.41), pruned, original)
+    assert x["towards"] == pytest.approx((-0.205 + 0.02) / 4)
+    assert x["rest"] == pytest.approx((-0.015 - 0.03 + 0.01) / 4)
+    assert x["avg_diff"] == pytest.approx((-0.22 + 0.02 - 0.03 + 0.01) / 4)
+    assert _towards_original(pruned, pruned, original) == {"avg_diff": 0.0, "towards": 0.0, "rest": 0.0}
+    assert _towards_original(run(), pruned, original) is None

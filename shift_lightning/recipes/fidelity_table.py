@@ -105,6 +105,22 @@ def _largest_drop(run: dict, pruned: dict, original: dict) -> dict | None:
             "avg_share": d / len(drops)}
 
 
+def _towards_original(run: dict, pruned: dict, original: dict) -> dict | None:
+    """Avg's change from pruning alone to ``run``, split per task into the part that moves the task's accuracy
+    back towards the original's (no further than it) and the rest (past the original, or away from it):
+    ``avg_diff = towards + rest``. A repair that only undoes pruning's accidental gains has ``rest`` ≈ 0."""
+    tasks = [t for t in run["tasks"] if t in pruned["tasks"] and t in original["tasks"]]
+    if not tasks:
+        return None
+    towards = rest = 0.0
+    for t in tasks:
+        p, r, o = (x["tasks"][t]["value"] for x in (pruned, run, original))
+        d, gap = r - p, o - p
+        back = max(min(d, gap), 0.0) if gap >= 0 else min(max(d, gap), 0.0)  # d clipped into [0, gap]
+        towards, rest = towards + back, rest + d - back
+    return {"avg_diff": (towards + rest) / len(tasks), "towards": towards / len(tasks), "rest": rest / len(tasks)}
+
+
 def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
     """Rows and target counts for one model; ``None`` when the wiki grid has no original row."""
     from ..evaluation.summary import Bootstrap
@@ -147,6 +163,7 @@ def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
                 t["kl_pruned"] = named[p]["kl"]
                 t.update(_against_pruned(boot, named, name, p))
                 t["largest_task_drop"] = _largest_drop(run, named[p], named["original"])
+                t["avg_towards_original"] = _towards_original(run, named[p], named["original"])
             peers = [f"{g}:{crit}/{m}" for m in REPLACEME if f"{g}:{crit}/{m}" in named]
             if peers:
                 best = min(peers, key=lambda n: _mean_kl(named[n]))
@@ -210,6 +227,13 @@ def _drop_note(d: dict | None) -> str:
             f"{100 * d['avg_share']:+.1f} of Avg")
 
 
+def _towards_note(x: dict | None) -> str:
+    if not x:
+        return ""
+    return (f"; of Avg's {100 * x['avg_diff']:+.1f}, {100 * x['towards']:+.1f} is tasks moving back towards the "
+            f"original's accuracy, {100 * x['rest']:+.1f} the rest")
+
+
 def markdown(docs: list[dict], cfg: FidelityTableConfig) -> str:
     lines = ["# Closeness to the original across the paper grids", "",
              "Cells: KL(original ‖ model) in nats per position on "
@@ -237,7 +261,8 @@ def markdown(docs: list[dict], cfg: FidelityTableConfig) -> str:
                 continue
             by = {r["criterion"]: r["targets"][g] for r in doc["rows"] if g in r["targets"]}
             harm = [f"{c}: Avg {fmt_diff(by[c]['vs_pruned'], 'avg')}, Robust {fmt_diff(by[c]['vs_pruned'], 'robust')}"
-                    + _drop_note(by[c].get("largest_task_drop")) for c in t["harm"]]
+                    + _drop_note(by[c].get("largest_task_drop")) + _towards_note(by[c].get("avg_towards_original"))
+                    for c in t["harm"]]
             b = t["best_robust"]
             lines.append(
                 f"- **{g}** ({t['criteria']} of {len(cfg.criteria)} criteria run): closer than pruning on every set "

@@ -62,7 +62,8 @@ def _falls(model: dict, grid: str, harm: list[str]) -> list[dict]:
     that fell most (the fidelity table's own reading, so that a ✗ carries its reason)."""
     by = {r["criterion"]: r.get("targets", {}).get(grid) or {} for r in model["rows"]}
     return [{"criterion": c, "vs_pruned": by.get(c, {}).get("vs_pruned"),
-             "largest_task_drop": by.get(c, {}).get("largest_task_drop")} for c in harm]
+             "largest_task_drop": by.get(c, {}).get("largest_task_drop"),
+             "avg_towards_original": by.get(c, {}).get("avg_towards_original")} for c in harm]
 
 
 def summarize(doc: dict, cfg: TargetsSummaryConfig) -> list[dict]:
@@ -117,7 +118,9 @@ def markdown(lines: list[dict], cfg: TargetsSummaryConfig) -> str:
     falls = [x for x in lines if x.get("falls")]
     if falls:
         out += ["", "Where a repair is significantly below pruning (paired difference, repaired − pruned, with its "
-                "95 % interval; the task that fell most, pruned → repaired, and the original's accuracy):", ""]
+                "95 % interval; the task that fell most, pruned → repaired, and the original's accuracy; Avg's change "
+                "split into the part that moves each task back towards the original's accuracy, no further than "
+                "it, and the rest):", ""]
         for x in falls:
             out.append(f"- {x['model']} `{x['repair']}`: " + "; ".join(_fall(f) for f in x["falls"]))
     return "\n".join(out) + "\n"
@@ -131,6 +134,9 @@ def _fall(f: dict) -> str:
         if d:
             o = f", original {100 * d['original']:.1f}" if d.get("original") is not None else ""
             text += f"; {d['task']} {100 * d['pruned']:.1f} → {100 * d['repaired']:.1f}{o}"
+        x = f.get("avg_towards_original")
+        if x:
+            text += f"; Avg {100 * x['towards']:+.1f} back towards the original, {100 * x['rest']:+.1f} the rest"
         text += ")"
     return text
 
