@@ -314,6 +314,7 @@ def test_domain_comparison_of_two_grids(tmp_path):
     split = row["avg_towards_original"]  # Avg's change = back towards the original + the rest
     assert abs(split["avg_diff"] - sum(falls.values()) / len(falls)) < 1e-12
     assert abs(split["towards"] + split["rest"] - split["avg_diff"]) < 1e-12
+    assert split["rest_ci"][0] <= split["rest"] <= split["rest_ci"][1]
     md = out.with_suffix(".md").read_text()
     assert "| reverse_star |" in md and "| angular | … |" in md and "**mixed** (1 of 2 criteria run)" in md
     assert md.count("against the better ReplaceMe fitted on the same text: lower KL on every set under") == 2

@@ -67,14 +67,15 @@ def test_each_significant_fall_is_listed_with_its_interval_and_the_task_that_fel
                       "robust_diff_ci": [-0.1, 0.15]},
         "largest_task_drop": {"task": "boolq", "pruned": 0.565, "repaired": 0.345, "original": 0.36,
                               "avg_share": -0.031},
-        "avg_towards_original": {"avg_diff": -0.03, "towards": -0.029, "rest": -0.001}}}
+        "avg_towards_original": {"avg_diff": -0.03, "towards": -0.029, "towards_ci": [-0.04, -0.02], "rest": -0.001,
+                                 "rest_ci": [-0.012, 0.009]}}}
     line = summarize(doc, TargetsSummaryConfig())[0]
     assert [f["criterion"] for f in line["falls"]] == ["c"]
     p = tmp_path / "lra.json"
     p.write_text(json.dumps(doc))
     md = render(TargetsSummaryConfig(tables=[str(p)], out=str(tmp_path / "t"))).with_suffix(".md").read_text()
     assert ("- m `lra`: c (Avg -3.0 [-4.6, -1.4]↓, Robust +2.0 [-10.0, +15.0]; boolq 56.5 → 34.5, original 36.0; "
-            "Avg -2.9 back towards the original, -0.1 the rest)" in md)
+            "Avg -2.9 back towards the original, -0.1 [-1.2, +0.9] the rest)" in md)
     # no falls, no section
     clean = _doc("lra", CRITERIA, CRITERIA, [], 0.7, CRITERIA, CRITERIA)
     p.write_text(json.dumps(clean))
@@ -84,19 +85,33 @@ def test_each_significant_fall_is_listed_with_its_interval_and_the_task_that_fel
 
 def test_avg_change_splits_into_the_move_back_towards_the_original_and_the_rest():
     """Per task the change from pruning is clipped into [pruned, original]: that part is the repair undoing
-    what pruning changed; a move past the original, or away from it, is the rest."""
-    from shift_lightning.recipes.fidelity_table import _towards_original
+    what pruning changed; a move past the original, or away from it, is the rest (paired intervals)."""
+    import numpy as np
 
-    def run(**acc):
-        return {"tasks": {t: {"value": v} for t, v in acc.items()}}
+    from shift_lightning.evaluation.summary import Bootstrap, back_towards
 
-    original = run(boolq=0.36, arc=0.45, piqa=0.60, hs=0.40)
-    pruned = run(boolq=0.565, arc=0.38, piqa=0.55, hs=0.40)
     # boolq falls past the original (-0.205 back, -0.015 past), arc rises short of it (+0.02 back),
     # piqa falls away from it (-0.03 rest), hs moves where pruning had not moved it (+0.01 rest)
-    x = _towards_original(run(boolq=0.345, arc=0.40, piqa=0.52, hs=0.41), pruned, original)
+    assert back_towards(-0.22, 0.36 - 0.565) == pytest.approx(-0.205)
+    assert back_towards(0.02, 0.07) == pytest.approx(0.02) and back_towards(-0.03, 0.05) == 0.0
+    assert back_towards(0.01, 0.0) == 0.0
+    assert np.allclose(back_towards(np.array([-0.22, 0.02, -0.03]), np.array([-0.205, 0.07, 0.05])),
+                       [-0.205, 0.02, 0.0])
+
+    n = 1000  # docs per task; accuracies k / n exactly
+
+    def row(**acc):
+        return {"tasks": {t: {"chance": 0.25, "metric": "acc", "value": v, "per_doc": {
+            "doc_ids": list(range(n)), "acc": [1.0] * round(v * n) + [0.0] * (n - round(v * n))}}
+            for t, v in acc.items()}}
+
+    rows = {"original": row(boolq=0.36, arc=0.45, piqa=0.60, hs=0.40),
+            "pruned": row(boolq=0.565, arc=0.38, piqa=0.55, hs=0.40),
+            "lra": row(boolq=0.345, arc=0.40, piqa=0.52, hs=0.41)}
+    x = Bootstrap(rows, "original", n_boot=200).towards("lra", "pruned")
     assert x["towards"] == pytest.approx((-0.205 + 0.02) / 4)
     assert x["rest"] == pytest.approx((-0.015 - 0.03 + 0.01) / 4)
     assert x["avg_diff"] == pytest.approx((-0.22 + 0.02 - 0.03 + 0.01) / 4)
-    assert _towards_original(pruned, pruned, original) == {"avg_diff": 0.0, "towards": 0.0, "rest": 0.0}
-    assert _towards_original(run(), pruned, original) is None
+    assert x["rest_ci"][0] <= x["rest"] <= x["rest_ci"][1] and x["towards_ci"][0] <= x["towards"] <= x["towards_ci"][1]
+    same = Bootstrap(rows, "original", n_boot=50).towards("pruned", "pruned")
+    assert same["avg_diff"] == same["towards"] == same["rest"] == 0.0 and same["rest_ci"] == [0.0, 0.0]

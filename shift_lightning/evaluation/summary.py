@@ -99,10 +99,35 @@ class Bootstrap:
                 "robust_diff": self._robust(pa, self._orig_point) - self._robust(pb, self._orig_point),
                 "robust_diff_ci": _ci(rob_b)}
 
+    def towards(self, a: str, b: str) -> dict:
+        """``a − b`` in avg split into the part that moves each task back towards the original's accuracy
+        (:func:`back_towards`) and the rest, with paired 95 % intervals: where ``b`` is pruning alone and
+        ``a`` its repair, ``rest`` is what the repair changes beyond undoing pruning's effect on each task."""
+        o, ob = self._orig_point, self._orig_boot
+        (pa, ba), (pb, bb) = self._means(a), self._means(b)
+        n = len(self.tasks)
+
+        def split(ma, mb, mo):
+            d = {t: ma[t] - mb[t] for t in self.tasks}
+            back = {t: back_towards(d[t], mo[t] - mb[t]) for t in self.tasks}
+            return sum(d.values()) / n, sum(back.values()) / n, sum(d[t] - back[t] for t in self.tasks) / n
+
+        diff, towards, rest = split(pa, pb, o)
+        _, towards_b, rest_b = split(ba, bb, ob)
+        return {"avg_diff": float(diff), "towards": float(towards), "towards_ci": _ci(towards_b),
+                "rest": float(rest), "rest_ci": _ci(rest_b)}
+
     def meta(self) -> dict:
         return {"chance": self.chance, "eligible_tasks": self.eligible, "n_boot": self.n_boot,
                 "original_task_acc": self._orig_point,
                 "docs_per_task": {t: int(self.idx[t].shape[1]) for t in self.tasks}}
+
+
+def back_towards(change, gap):
+    """The part of a task's ``change`` from a reference (pruning alone) that moves it back towards the
+    original, no further than it: ``change`` clipped to lie between 0 and ``gap = original − reference``
+    (floats or arrays)."""
+    return np.clip(change, np.minimum(gap, 0.0), np.maximum(gap, 0.0))
 
 
 def _ci(samples: np.ndarray) -> list[float]:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..outputs import write_json_atomic, write_text_atomic
 from .harness import model_key
-from .tables.common import fmt_ci, fmt_diff, fmt_kl, set_label
+from .tables.common import fmt_change, fmt_ci, fmt_diff, fmt_kl, set_label
 from .tables.paper import GUARDS, REPLACEME, load_runs
 
 log = logging.getLogger(__name__)
@@ -105,22 +105,6 @@ def _largest_drop(run: dict, pruned: dict, original: dict) -> dict | None:
             "avg_share": d / len(drops)}
 
 
-def _towards_original(run: dict, pruned: dict, original: dict) -> dict | None:
-    """Avg's change from pruning alone to ``run``, split per task into the part that moves the task's accuracy
-    back towards the original's (no further than it) and the rest (past the original, or away from it):
-    ``avg_diff = towards + rest``. A repair that only undoes pruning's accidental gains has ``rest`` ≈ 0."""
-    tasks = [t for t in run["tasks"] if t in pruned["tasks"] and t in original["tasks"]]
-    if not tasks:
-        return None
-    towards = rest = 0.0
-    for t in tasks:
-        p, r, o = (x["tasks"][t]["value"] for x in (pruned, run, original))
-        d, gap = r - p, o - p
-        back = max(min(d, gap), 0.0) if gap >= 0 else min(max(d, gap), 0.0)  # d clipped into [0, gap]
-        towards, rest = towards + back, rest + d - back
-    return {"avg_diff": (towards + rest) / len(tasks), "towards": towards / len(tasks), "rest": rest / len(tasks)}
-
-
 def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
     """Rows and target counts for one model; ``None`` when the wiki grid has no original row."""
     from ..evaluation.summary import Bootstrap
@@ -163,7 +147,7 @@ def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
                 t["kl_pruned"] = named[p]["kl"]
                 t.update(_against_pruned(boot, named, name, p))
                 t["largest_task_drop"] = _largest_drop(run, named[p], named["original"])
-                t["avg_towards_original"] = _towards_original(run, named[p], named["original"])
+                t["avg_towards_original"] = boot.towards(name, p)
             peers = [f"{g}:{crit}/{m}" for m in REPLACEME if f"{g}:{crit}/{m}" in named]
             if peers:
                 best = min(peers, key=lambda n: _mean_kl(named[n]))
@@ -231,7 +215,7 @@ def _towards_note(x: dict | None) -> str:
     if not x:
         return ""
     return (f"; of Avg's {100 * x['avg_diff']:+.1f}, {100 * x['towards']:+.1f} is tasks moving back towards the "
-            f"original's accuracy, {100 * x['rest']:+.1f} the rest")
+            f"original's accuracy, {fmt_change(x['rest'], x['rest_ci'])} the rest")
 
 
 def markdown(docs: list[dict], cfg: FidelityTableConfig) -> str:

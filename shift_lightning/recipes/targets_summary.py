@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..outputs import write_json_atomic, write_text_atomic
-from .tables.common import fmt_ci, fmt_diff
+from .tables.common import fmt_change, fmt_ci, fmt_diff
 
 MET, NOT_MET, OPEN = "met", "not met", "open"
 
@@ -136,7 +136,8 @@ def _fall(f: dict) -> str:
             text += f"; {d['task']} {100 * d['pruned']:.1f} → {100 * d['repaired']:.1f}{o}"
         x = f.get("avg_towards_original")
         if x:
-            text += f"; Avg {100 * x['towards']:+.1f} back towards the original, {100 * x['rest']:+.1f} the rest"
+            rest = fmt_change(x["rest"], x["rest_ci"])
+            text += f"; Avg {100 * x['towards']:+.1f} back towards the original, {rest} the rest"
         text += ")"
     return text
 

@@ -29,7 +29,12 @@ def fmt_ci(v, ci, pct: bool = True, digits: int = 1) -> str:
 
 def fmt_diff(d: dict, key: str) -> str:
     """``±x [lo, hi]`` with ↑ / ↓ when the 95 % interval lies above / below 0; ``–`` when missing."""
-    v, (lo, hi) = d[f"{key}_diff"], d[f"{key}_diff_ci"]
+    return fmt_change(d[f"{key}_diff"], d[f"{key}_diff_ci"])
+
+
+def fmt_change(v: float, ci) -> str:
+    """A difference and its 95 % interval, as :func:`fmt_diff`."""
+    lo, hi = ci
     if v != v:
         return "–"
     mark = "↑" if lo > 0 else "↓" if hi < 0 else ""
