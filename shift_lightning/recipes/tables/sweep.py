@@ -86,7 +86,7 @@ def plot(folder: Path, cfg, pts: list[dict], sets: list[str]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(cfg.repairs), len(sets), figsize=(5 * len(sets), 3.6 * len(cfg.repairs)),
-                             squeeze=False, sharey="col")
+                             squeeze=False, sharex=True, sharey="col")
     colors = {c: plt.cm.tab10(i % 10) for i, c in enumerate(cfg.criteria)}
     for i, r in enumerate(cfg.repairs):
         for j, s in enumerate(sets):
