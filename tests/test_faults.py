@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -685,3 +686,40 @@ def test_reproduce_with_a_missing_model_leaves_no_folder(tmp_path, capsys):
 
     line = _error(reproduce.main, ["--model", "./no/such/model", "--out", str(tmp_path / "p")], capsys)
     assert "Model folder not found" in line and not (tmp_path / "p").exists()
+
+
+def test_a_writer_that_will_not_close_on_stop_cannot_hold_the_process(capfd):
+    """On a stop the loggers' writers are closed with a bounded wait before Lightning's ``finalize``
+    (rank 0 was seen waiting for good in the TensorBoard writer's close); one that closes is closed, one
+    that hangs is left to the process exit with one line, and ``finalize`` then has nothing to close."""
+    from types import SimpleNamespace
+
+    class Writer:
+        def __init__(self, hang):
+            self.hang, self.closed, self.flushed = hang, threading.Event(), False
+
+        def flush(self):
+            self.flushed = True
+
+        def close(self):
+            if self.hang:
+                threading.Event().wait()  # never returns
+            self.closed.set()
+
+    class Logger:
+        def __init__(self, hang):
+            self._experiment = self.writer = Writer(hang)
+
+    good, stuck, none = Logger(False), Logger(True), SimpleNamespace(_experiment=None)
+    cb = stopping.LoggersCloseOnStop(timeout=0.5)
+    t0 = time.time()
+    cb.on_exception(SimpleNamespace(loggers=[good, stuck, none]), None, KeyboardInterrupt())
+    assert time.time() - t0 < 3
+    assert good.writer.closed.is_set() and good.writer.flushed and good._experiment is None
+    assert stuck._experiment is None and not stuck.writer.closed.is_set()
+    err = capfd.readouterr().err
+    assert "the Logger's writer did not close within 0.5 s of the stop" in err and err.count("warning:") == 1
+    # every Trainer the entry points build carries it
+    kw = stopping.with_signal_guard({"callbacks": []})
+    assert sum(isinstance(c, stopping.LoggersCloseOnStop) for c in kw["callbacks"]) == 1
+    assert stopping.with_signal_guard(kw)["callbacks"] == kw["callbacks"]
