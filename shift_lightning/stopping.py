@@ -32,6 +32,9 @@ stopping differently, or is dead. The entry points run inside :func:`guarded`, w
   that Lightning's own interrupt handling killed (-9), would otherwise get rank 0 killed in the
   middle of its orderly stop (exit -9, its last lines lost). The grace timer still bounds rank 0.
 
+* on a stop, the loggers' writers closed with a bounded wait before Lightning's own finalize
+  (:class:`LoggersCloseOnStop`), so that a writer that does not close cannot hold the process.
+
 Forced exits write one line to stderr saying why; when the grace runs out, every thread's stack
 follows it (where the run was stuck, for a bug report).
 """
@@ -303,7 +306,7 @@ class LoggersCloseOnStop(L.Callback):
                 continue
             done = threading.Event()
 
-            def close(w=writer):
+            def close(w=writer, done=done):
                 with contextlib.suppress(Exception):
                     w.flush()
                     w.close()
