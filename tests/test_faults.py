@@ -719,6 +719,16 @@ def test_a_writer_that_will_not_close_on_stop_cannot_hold_the_process(capfd):
     assert stuck._experiment is None and not stuck.writer.closed.is_set()
     err = capfd.readouterr().err
     assert "the Logger's writer did not close within 0.5 s of the stop" in err and err.count("warning:") == 1
+    # a writer that closes late does not vouch for the next one
+    class Slow(Writer):
+        def close(self):
+            time.sleep(0.8)
+            self.closed.set()
+
+    slow, stuck2 = Logger(False), Logger(True)
+    slow._experiment = slow.writer = Slow(False)
+    cb.on_exception(SimpleNamespace(loggers=[slow, stuck2]), None, KeyboardInterrupt())
+    assert capfd.readouterr().err.count("did not close within") == 2
     # every Trainer the entry points build carries it
     kw = stopping.with_signal_guard({"callbacks": []})
     assert sum(isinstance(c, stopping.LoggersCloseOnStop) for c in kw["callbacks"]) == 1
