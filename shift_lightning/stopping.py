@@ -5,7 +5,8 @@ checkpoint, then ``exit(1)``) and ignores any further Ctrl-C. Under DDP that shu
 good: a rank waits in a collective (gloo and NCCL wait 30 minutes by default) for a peer that is
 stopping differently, or is dead. The entry points run inside :func:`guarded`, which adds:
 
-* a SIGINT handler that raises ``KeyboardInterrupt`` like Python's own, except inside a
+* a SIGINT handler (and, unless the caller set one, the same for SIGTERM) that raises
+  ``KeyboardInterrupt`` like Python's own, except inside a
   *critical section* (:func:`enter_critical` / :func:`leave_critical`: from a model update to the
   step counter that records it, where a stop checkpoint could not be resumed exactly); there the
   interrupt is raised when the section ends. A caller that ignores SIGINT keeps ignoring it (a
@@ -229,6 +230,9 @@ def guarded() -> Iterator[None]:
     _state.sigint_ignored = old_handler is signal.SIG_IGN
     if not _state.sigint_ignored:
         signal.signal(signal.SIGINT, _on_sigint)
+    old_term = signal.getsignal(signal.SIGTERM)
+    if old_term is signal.SIG_DFL:  # SIGTERM outside a Trainer (loading, a plain evaluation loop) stops like Ctrl-C
+        signal.signal(signal.SIGTERM, _on_sigint)
     _state.active = True
     stop = threading.Event()
     threading.Thread(target=_watch_signals, args=(r, stop), name="shift-signal-watch", daemon=True).start()
@@ -249,6 +253,7 @@ def guarded() -> Iterator[None]:
         _state.active = False
         signal.set_wakeup_fd(old_fd)
         signal.signal(signal.SIGINT, old_handler if old_handler is not None else signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, old_term if old_term is not None else signal.SIG_DFL)
         if rank == 0:
             if old_env is None:
                 os.environ.pop(RANK0_ENV, None)

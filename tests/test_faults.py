@@ -733,3 +733,22 @@ def test_a_writer_that_will_not_close_on_stop_cannot_hold_the_process(capfd):
     kw = stopping.with_signal_guard({"callbacks": []})
     assert sum(isinstance(c, stopping.LoggersCloseOnStop) for c in kw["callbacks"]) == 1
     assert stopping.with_signal_guard(kw)["callbacks"] == kw["callbacks"]
+
+
+def test_sigterm_outside_a_trainer_stops_like_ctrl_c():
+    """Loading, a plain evaluation loop: SIGTERM raises ``KeyboardInterrupt`` there too (the entry points
+    then print the one line and exit 143); the caller's SIGTERM handling is back afterwards."""
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with stopping.guarded():
+                assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+                signal.raise_signal(signal.SIGTERM)
+                time.sleep(1)  # not reached
+        assert stopping.stop_signal() == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        t0 = time.time()
+        while not stopping.armed() and time.time() - t0 < 5:
+            time.sleep(0.01)
+        stopping.disarm()
