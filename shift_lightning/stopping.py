@@ -32,7 +32,6 @@ stopping differently, or is dead. The entry points run inside :func:`guarded`, w
   when a rank ends non-zero. Every rank is stopping then: one that stopped first (130 / 143), or
   that Lightning's own interrupt handling killed (-9), would otherwise get rank 0 killed in the
   middle of its orderly stop (exit -9, its last lines lost). The grace timer still bounds rank 0.
-
 * on a stop, the loggers' writers closed with a bounded wait before Lightning's own finalize
   (:class:`LoggersCloseOnStop`), so that a writer that does not close cannot hold the process.
 

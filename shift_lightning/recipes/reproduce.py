@@ -35,6 +35,7 @@ import torch
 
 from ..calibration import SOLVERS, CalibrationConfig, CalibrationModule
 from ..calibration.auto import coinciding_fits
+from ..calibration.solvers.ridge import LRAAuto
 from ..criteria import PruneConfig
 from ..errors import ConfigError
 from ..evaluation.runner import EvalConfig
@@ -364,8 +365,7 @@ def _twin(cfg: ReproduceConfig, module: CalibrationModule, variant: str) -> str 
     if module.fit_choice is not None:
         return module.fit_choice.get("chosen")
     if variant in ("lra_span", "lra_anchored"):
-        fits = [("lra", "block", "independent"), ("lra_span", "span", "independent"), ("lra_anchored", "span", "anchored")]
-        return coinciding_fits(fits, module.spans).get(variant)
+        return coinciding_fits(LRAAuto.fits, module.spans).get(variant)
     if variant not in module.guards:
         return None
     lra = f"lra@{cfg.damping:g}"
