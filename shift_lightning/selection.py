@@ -90,7 +90,9 @@ def select_blocks(cfg: C.PruneConfig, model: nn.Module, windows: TokenWindows | 
         while scorer.phase == 0:
             run_scorer(scorer, model, windows.subset(fit), cfg.batch_size, make_trainer)
             scorer.next_phase()
-        run_scorer(scorer, model, windows.subset(judge), cfg.batch_size, make_trainer)
+        while not scorer.done:  # linear_fit: the spans' costs; linear_fit_kl: then the whole candidates
+            run_scorer(scorer, model, windows.subset(judge), cfg.batch_size, make_trainer)
+            scorer.judged()
     else:
         run_scorer(scorer, model, windows, cfg.batch_size, make_trainer)
     scores, details = scorer.finalize()

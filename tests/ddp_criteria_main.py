@@ -22,7 +22,8 @@ import torch  # noqa: E402
 
 #: criterion name, extra PruneConfig fields
 CASES = [("block_influence", {}), ("angular", {"angular_tokens": "last"}),
-         ("angular", {"angular_tokens": "all"}), ("ppl", {}), ("taylor", {}), ("linear_fit", {"heldout_every": 3})]
+         ("angular", {"angular_tokens": "all"}), ("ppl", {}), ("taylor", {}), ("linear_fit", {"heldout_every": 3}),
+         ("linear_fit_kl", {"heldout_every": 3})]
 
 
 def tiny_texts(n: int = 40, seed: int = 0) -> list[str]:

@@ -244,7 +244,7 @@ def test_errors(tiny, windows):
     with pytest.raises(CriterionError, match="every block"):
         select_blocks(PruneConfig(layers=list(range(L))), model)
     assert set(CRITERIA) == {"reverse", "reverse_star", "random", "magnitude_l1", "magnitude_l2",
-                             "taylor", "ppl", "block_influence", "angular", "linear_fit"}
+                             "taylor", "ppl", "block_influence", "angular", "linear_fit", "linear_fit_kl"}
     with pytest.raises(CriterionError, match="heldout_every"):
         select_blocks(PruneConfig(criterion="linear_fit", heldout_every=1), model, windows)
 
@@ -351,3 +351,73 @@ def test_linear_fit_groups_blocks_when_statistics_exceed_the_memory_budget(tiny,
     assert small.layers == one.layers
     for key, v in one.details["span_costs"].items():
         assert small.details["span_costs"][key] == pytest.approx(v, rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# linear_fit_kl: linear_fit's best set per number of spans, judged as whole repaired models
+# ------------------------------------------------------------------------------------------
+def test_best_per_span_count_is_the_brute_force_minimum_for_each_count():
+    import itertools
+    import random as rnd
+
+    from shift_lightning.calibration import contiguous_spans
+    from shift_lightning.criteria import best_per_span_count, select_spans
+
+    n_layers, k = 8, 4
+    for seed in range(5):
+        r = rnd.Random(seed)
+        cost = {(a, b): r.random() * (b - a) for a in range(n_layers) for b in range(a + 1, min(a + k, n_layers) + 1)}
+        allowed = [i for i in range(n_layers) if i != 5] if seed % 2 else list(range(n_layers))
+        got = best_per_span_count(cost, allowed, n_layers, k)
+        want: dict[int, tuple] = {}
+        for c in itertools.combinations(allowed, k):
+            spans = contiguous_spans(list(c))
+            key = (sum(cost[(a, b)] for a, b in spans), c)
+            if len(spans) not in want or key < want[len(spans)]:
+                want[len(spans)] = key
+        assert got == {s: list(v[1]) for s, v in sorted(want.items())}
+        overall = min(want.values())
+        assert select_spans(cost, allowed, n_layers, k) == list(overall[1])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_linear_fit_kl_judges_each_candidate_as_the_whole_repaired_model(family, windows):
+    """Every candidate's KL is the held-out KL(original ‖ model with each removed block replaced by its
+    LRA fitted on the other windows); the candidates are linear_fit's best set per span count and the
+    closest one is chosen; the span costs are linear_fit's."""
+    import lightning as L_
+
+    from shift_lightning.arch import Bypass, swapped_blocks
+    from shift_lightning.calibration import CalibrationConfig, CalibrationModule
+    from shift_lightning.criteria import best_per_span_count
+    from shift_lightning.fidelity import kl_top1, lm_softcap, topk_reference
+
+    model = build_tiny_model(family, seed=2)[0].double()
+    kw = dict(ratio=0.34, heldout_every=3, damping=1e-3, batch_size=2)
+    sel = select_blocks(PruneConfig(criterion="linear_fit_kl", **kw), model, windows)
+    plain = select_blocks(PruneConfig(criterion="linear_fit", **kw), model, windows)
+    assert sel.details["span_costs"] == pytest.approx(plain.details["span_costs"], rel=1e-9)
+    assert sel.details["residual_choice"] == plain.layers
+    cost = {(int(a), int(b) + 1): v for a, b, v in ((*key.split("-"), v) for key, v in sel.details["span_costs"].items())}
+    cands = best_per_span_count(cost, list(range(L)), L, sel.details["k"])
+    assert [c["blocks"] for c in sel.details["candidates"]] == list(cands.values()) and len(cands) >= 2
+
+    fit = windows.subset([i for i in range(len(windows)) if i % 3 != 2])
+    judge = windows.subset([i for i in range(len(windows)) if i % 3 == 2])
+    trainer = L_.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, inference_mode=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    cal = CalibrationModule(model, list(range(L)), CalibrationConfig(damping=1e-3, heldout=False))
+    cal.calibrate(trainer, fit, batch_size=2)
+    m = judge.attention_mask.bool()
+    softcap = lm_softcap(model)
+    with torch.no_grad():
+        ref = topk_reference(model(input_ids=judge.input_ids, attention_mask=judge.attention_mask).logits[m], 256,
+                             softcap)
+        for c in sel.details["candidates"]:
+            with swapped_blocks(model, {j: Bypass(cal.adapter("lra", cal.sites[j])) for j in c["blocks"]}):
+                logits = model(input_ids=judge.input_ids, attention_mask=judge.attention_mask).logits[m]
+            kl, agree = kl_top1(logits, ref, softcap)
+            assert c["kl"] == pytest.approx(kl.mean().item(), rel=1e-4), c
+            assert c["top1"] == pytest.approx(agree.double().mean().item(), abs=1e-12), c
+    best = min(sel.details["candidates"], key=lambda c: (c["kl"], c["spans"]))
+    assert sel.layers == best["blocks"] and sel.details["judge_positions"] == int(m.sum())

@@ -19,6 +19,8 @@ criterion          needs       removes
                                closest in angular distance
 ``linear_fit``     data        the ``k`` blocks whose spans the closed-form LRA repairs best on
                                held-out windows (:mod:`.linear_fit`; repair-aware)
+``linear_fit_kl``  data        linear_fit's best set for each number of spans, judged whole: the one
+                               whose repaired model is closest to the original (held-out KL)
 =================  ==========  ===================================================================
 
 Scores are "importance": higher = keep (for ``angular`` the score of block ``ℓ`` is the distance
@@ -41,11 +43,11 @@ the pass that feeds a scorer, and :func:`~shift_lightning.selection.select_block
 
 from __future__ import annotations
 
-from .base import (CRITERIA, DATA_DRIVEN, POSITIONAL, WEIGHT_BASED, CriterionError, Plan, PruneConfig,  # noqa: F401
+from .base import (CRITERIA, DATA_DRIVEN, POSITIONAL, REPAIR_AWARE, WEIGHT_BASED, CriterionError, Plan, PruneConfig,  # noqa: F401
                    Selection, best_span, candidates, check_data_request, check_layers, choose, lowest,
                    magnitude_scores, num_to_remove, plan_removal, random_blocks, reverse, reverse_star,
                    select_static)
-from .linear_fit import LinearFit, select_spans  # noqa: F401
+from .linear_fit import LinearFit, LinearFitKL, best_per_span_count, select_spans  # noqa: F401
 from .scorers import AngularDistance, BlockInfluence, RemovalPerplexity, TaylorImportance  # noqa: F401
 
 
@@ -59,7 +61,8 @@ def make_scorer(name: str, num_layers: int, k: int, cfg: PruneConfig, allowed: l
         return RemovalPerplexity(num_layers)
     if name == "taylor":
         return TaylorImportance(num_layers)
-    if name == "linear_fit":
-        return LinearFit(num_layers, k, allowed if allowed is not None else candidates(num_layers, cfg), cfg.damping,
-                         cfg.heldout_every, cfg.max_stats_gb)
+    if name in REPAIR_AWARE:
+        cls = LinearFitKL if name == "linear_fit_kl" else LinearFit
+        return cls(num_layers, k, allowed if allowed is not None else candidates(num_layers, cfg), cfg.damping,
+                   cfg.heldout_every, cfg.max_stats_gb)
     raise CriterionError(f"{name!r} is not a data-driven criterion; those are {', '.join(DATA_DRIVEN)}")

@@ -28,9 +28,9 @@ class PruneConfig:
     ratio: float = 0.25
     """Fraction of blocks to remove: ⌊ratio·L⌋ blocks. Must be in [0, 1)."""
     criterion: Literal["reverse", "reverse_star", "random", "magnitude_l1", "magnitude_l2", "taylor", "ppl",
-                       "block_influence", "angular", "linear_fit"] = "reverse_star"
+                       "block_influence", "angular", "linear_fit", "linear_fit_kl"] = "reverse_star"
     """Selection criterion: reverse, reverse_star, random, magnitude_l1, magnitude_l2, taylor,
-    ppl, block_influence, angular, linear_fit (see :mod:`shift_lightning.criteria`)."""
+    ppl, block_influence, angular, linear_fit, linear_fit_kl (see :mod:`shift_lightning.criteria`)."""
     seed: int = 0
     """Seed for the ``random`` criterion (recorded in the report)."""
     keep_first: int = 0
@@ -44,7 +44,7 @@ class PruneConfig:
     batch_size: int = 4
     """Windows per forward pass of the data-driven criteria (scores do not depend on it)."""
     heldout_every: int = 4
-    """``linear_fit``: every k-th window judges the repaired spans; the others fit the maps."""
+    """``linear_fit`` / ``linear_fit_kl``: every k-th window judges the repaired spans; the others fit the maps."""
     damping: float = 1e-4
     """``linear_fit``: relative ridge damping of the maps it fits (use the calibration's)."""
     max_stats_gb: float = 16.0
@@ -154,7 +154,10 @@ WEIGHT_BASED: dict[str, Callable] = {
 }
 
 #: Criteria that need calibration windows (and a Lightning pass).
-DATA_DRIVEN: tuple[str, ...] = ("taylor", "ppl", "block_influence", "angular", "linear_fit")
+DATA_DRIVEN: tuple[str, ...] = ("taylor", "ppl", "block_influence", "angular", "linear_fit", "linear_fit_kl")
+
+#: Data-driven criteria that fit the maps and judge the repaired model (held-out windows).
+REPAIR_AWARE: tuple[str, ...] = ("linear_fit", "linear_fit_kl")
 
 #: Every criterion name.
 CRITERIA: tuple[str, ...] = tuple(POSITIONAL) + tuple(WEIGHT_BASED) + DATA_DRIVEN
@@ -223,9 +226,9 @@ def check_data_request(cfg: PruneConfig, num_windows: int) -> None:
         raise CriterionError(f"--prune.angular_tokens must be 'last' or 'all', got {cfg.angular_tokens!r}")
     if cfg.batch_size < 1:
         raise CriterionError(f"--prune.batch_size must be >= 1, got {cfg.batch_size}")
-    if cfg.criterion == "linear_fit":
+    if cfg.criterion in REPAIR_AWARE:
         if cfg.heldout_every < 2 or num_windows < cfg.heldout_every:
-            raise CriterionError(f"linear_fit holds out every --prune.heldout_every-th window (>= 2) to judge the "
+            raise CriterionError(f"{cfg.criterion} holds out every --prune.heldout_every-th window (>= 2) to judge the "
                                  f"repaired spans: it needs at least {max(cfg.heldout_every, 2)} windows, got "
                                  f"{num_windows} windows and heldout_every {cfg.heldout_every}")
         if not (math.isfinite(cfg.damping) and cfg.damping > 0) or not cfg.max_stats_gb > 0:
@@ -238,6 +241,6 @@ def choose(cfg: PruneConfig, plan: Plan, scores: dict[int, float], details: dict
     if cfg.criterion == "angular":
         start = best_span(scores, plan.allowed, plan.k)
         return Selection(list(range(start, start + plan.k)), cfg.criterion, scores, details)
-    if cfg.criterion == "linear_fit":  # spans chosen jointly by the scorer (its repaired-span costs)
+    if cfg.criterion in REPAIR_AWARE:  # spans chosen jointly by the scorer (its repaired-span costs)
         return Selection(sorted(details["selected"]), cfg.criterion, scores, details)
     return Selection(lowest(scores, plan.allowed, plan.k), cfg.criterion, scores, details)

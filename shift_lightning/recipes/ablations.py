@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..calibration import CalibrationConfig, CalibrationModule
-from ..criteria import PruneConfig
+from ..criteria import REPAIR_AWARE, PruneConfig
 from ..data import TokenWindows
 from ..evaluation.trunk import TrunkCache
 from ..models import num_params
@@ -167,7 +167,7 @@ def _selection(cfg, ctx: harness.GridContext, crit: str, ratio: float) -> list[i
     cached = harness.RunFolder(Path(g.out) / harness.model_key(cfg.model))
     if ratio == g.ratio and cached.done(f"{crit}/selection"):  # the grid's own choice for this criterion
         return sorted(cached.read(f"{crit}/selection")["layers"])
-    windows = ctx.windows(g.calib_samples, g.seq_len) if crit == "linear_fit" else\
+    windows = ctx.windows(g.calib_samples, g.seq_len) if crit in REPAIR_AWARE else\
         ctx.windows(g.select_samples, g.select_seq_len)
     return sorted(select_blocks(PruneConfig(ratio=ratio, criterion=crit, damping=g.damping), ctx.model, windows,
                                 ctx.make_trainer).layers)

@@ -36,7 +36,7 @@ import torch
 from ..calibration import SOLVERS, CalibrationConfig, CalibrationModule
 from ..calibration.auto import coinciding_fits
 from ..calibration.solvers.ridge import LRAAuto
-from ..criteria import PruneConfig
+from ..criteria import REPAIR_AWARE, PruneConfig
 from ..errors import ConfigError
 from ..evaluation.runner import EvalConfig
 from ..evaluation.tasks import DEFAULT_TASKS
@@ -54,8 +54,7 @@ log = logging.getLogger(__name__)
 #: The order the grid is filled in.
 CRITERIA_ORDER = ("reverse_star", "angular", "taylor", "block_influence", "reverse", "random", "magnitude_l1",
                   "magnitude_l2", "ppl", "linear_fit")
-#: Criteria judged on the repaired model: they get the calibration windows (every 4th judging).
-REPAIR_AWARE = ("linear_fit",)
+# Criteria judged on the repaired model (``criteria.REPAIR_AWARE``) get the calibration windows (every 4th judging).
 #: Row variants: ``pruned`` (no map) and a registered calibration solver each.
 VARIANTS = ("pruned", "lra", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch", "lra_guard",
             "guarded")
@@ -96,7 +95,7 @@ class ReproduceConfig:
     seq_len: int = 512
     """Tokens per calibration / held-out / perplexity window."""
     select_samples: int = 16
-    """Windows the data-driven criteria score blocks on (``linear_fit``: the calibration windows)."""
+    """Windows the data-driven criteria score blocks on (``linear_fit``, ``linear_fit_kl``: the calibration windows)."""
     select_seq_len: int = 256
     """Tokens per selection window."""
     heldout_samples: int = 16
