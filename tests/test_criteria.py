@@ -296,28 +296,36 @@ def test_ppl_replay_from_cached_states_equals_full_passes(family, windows):
 # ------------------------------------------------------------------------------------------
 # linear_fit: the repaired spans' costs and the joint choice
 # ------------------------------------------------------------------------------------------
+def lras_fitted_apart(model, windows, every: int = 3, damping: float = 1e-3):
+    """Every block's LRA calibrated on the windows linear_fit fits on (all but every ``every``-th), and
+    the windows it judges on."""
+    import lightning as L_
+
+    from shift_lightning.calibration import CalibrationConfig, CalibrationModule
+
+    fit = windows.subset([i for i in range(len(windows)) if i % every != every - 1])
+    judge = windows.subset([i for i in range(len(windows)) if i % every == every - 1])
+    trainer = L_.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, inference_mode=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    cal = CalibrationModule(model, list(range(L)), CalibrationConfig(damping=damping, heldout=False))
+    cal.calibrate(trainer, fit, batch_size=2)
+    return cal, judge
+
+
 def test_linear_fit_costs_are_the_merged_maps_heldout_error(tiny, windows):
     """Every span's cost is the held-out residual energy of the chain of per-block LRAs (the merged
     map calibration builds) fitted on the other windows, relative to the stream's energy."""
     import copy
     import itertools
 
-    import lightning as L_
-
     from shift_lightning.arch import block_hooks, decoder_layers
-    from shift_lightning.calibration import CalibrationConfig, CalibrationModule
     from shift_lightning.criteria import select_spans
 
     model = copy.deepcopy(tiny[0]).double()
     sel = select_blocks(PruneConfig(criterion="linear_fit", ratio=0.34, heldout_every=3, damping=1e-3,
                                     batch_size=2), model, windows)
     k = sel.details["k"]
-    fit = windows.subset([i for i in range(len(windows)) if i % 3 != 2])
-    judge = windows.subset([i for i in range(len(windows)) if i % 3 == 2])
-    trainer = L_.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, inference_mode=False,
-                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
-    cal = CalibrationModule(model, list(range(L)), CalibrationConfig(damping=1e-3, heldout=False))
-    cal.calibrate(trainer, fit, batch_size=2)
+    cal, judge = lras_fitted_apart(model, windows)
     states = {}
     with torch.no_grad(), block_hooks(decoder_layers(model), lambda i, x, y: states.update({i: x, i + 1: y})):
         model.model(input_ids=judge.input_ids, attention_mask=judge.attention_mask, use_cache=False)
@@ -385,10 +393,7 @@ def test_linear_fit_kl_judges_each_candidate_as_the_whole_repaired_model(family,
     """Every candidate's KL is the held-out KL(original ‖ model with each removed block replaced by its
     LRA fitted on the other windows); the candidates are linear_fit's best set per span count and the
     closest one is chosen; the span costs are linear_fit's."""
-    import lightning as L_
-
     from shift_lightning.arch import Bypass, swapped_blocks
-    from shift_lightning.calibration import CalibrationConfig, CalibrationModule
     from shift_lightning.criteria import best_per_span_count
     from shift_lightning.fidelity import kl_top1, lm_softcap, topk_reference
 
@@ -402,12 +407,7 @@ def test_linear_fit_kl_judges_each_candidate_as_the_whole_repaired_model(family,
     cands = best_per_span_count(cost, list(range(L)), L, sel.details["k"])
     assert [c["blocks"] for c in sel.details["candidates"]] == list(cands.values()) and len(cands) >= 2
 
-    fit = windows.subset([i for i in range(len(windows)) if i % 3 != 2])
-    judge = windows.subset([i for i in range(len(windows)) if i % 3 == 2])
-    trainer = L_.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, inference_mode=False,
-                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
-    cal = CalibrationModule(model, list(range(L)), CalibrationConfig(damping=1e-3, heldout=False))
-    cal.calibrate(trainer, fit, batch_size=2)
+    cal, judge = lras_fitted_apart(model, windows)
     m = judge.attention_mask.bool()
     softcap = lm_softcap(model)
     with torch.no_grad():

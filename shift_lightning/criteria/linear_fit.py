@@ -67,58 +67,11 @@ def _forward_through(model: nn.Module, batch: dict, on_block, last: int) -> None
             pass
 
 
-def select_spans(cost: dict[tuple[int, int], float], allowed: list[int], num_layers: int, k: int) -> list[int]:
-    """The ``k`` blocks of ``allowed`` whose maximal runs ``[a, b)`` minimise ``Σ cost(a, b)``
-    (ties: the lexicographically smallest block list). ``cost`` holds every allowed run of at most
-    ``k`` blocks."""
-    ok = set(allowed)
-    INF = math.inf
-    # f[i][j]: best (cost, blocks) with blocks < i decided, block i−1 kept (or i == 0), j removed
-    f: list[list[tuple[float, tuple[int, ...]] | None]] = [[None] * (k + 1) for _ in range(num_layers + 2)]
-    f[0][0] = (0.0, ())
-    best: tuple[float, tuple[int, ...]] | None = None
-
-    def better(a, b):
-        return b is None or (a[0], a[1]) < (b[0], b[1])
-
-    for i in range(num_layers + 1):
-        for j in range(k + 1):
-            cur = f[i][j]
-            if cur is None:
-                continue
-            if j == k:
-                if better(cur, best):
-                    best = cur
-                continue
-            if i == num_layers:
-                continue
-            # keep block i
-            if better(cur, f[i + 1][j]):
-                f[i + 1][j] = cur
-            # remove the run [i, b), then block b is kept (or b == L)
-            for b in range(i + 1, min(i + k - j, num_layers) + 1):
-                if b - 1 not in ok:
-                    break
-                c = cost.get((i, b), INF)
-                if c == INF:
-                    continue
-                cand = (cur[0] + c, cur[1] + tuple(range(i, b)))
-                jj = j + b - i
-                if b == num_layers:
-                    if jj == k and better(cand, best):
-                        best = cand
-                elif better(cand, f[b + 1][jj]):
-                    f[b + 1][jj] = cand
-    if best is None:
-        raise CriterionError(f"linear_fit: no set of {k} blocks fits the guards (allowed blocks {allowed})")
-    return sorted(best[1])
-
-
-def best_per_span_count(cost: dict[tuple[int, int], float], allowed: list[int], num_layers: int, k: int
-                        ) -> dict[int, list[int]]:
-    """For every number of spans ``s``, the ``k`` blocks of ``allowed`` made of exactly ``s`` maximal runs
-    that minimise ``Σ cost(a, b)`` (ties: the lexicographically smallest block list); counts that no set
-    fits are absent. The smallest of them is :func:`select_spans`'s choice."""
+def _best_sets(cost: dict[tuple[int, int], float], allowed: list[int], num_layers: int, k: int
+               ) -> dict[int, tuple[float, tuple[int, ...]]]:
+    """Number of spans ``s`` → the least ``(Σ cost, blocks)`` over sets of ``k`` blocks of ``allowed`` made of
+    ``s`` maximal runs (dynamic programming over ``(block, blocks removed, runs)``; separate runs are kept
+    apart by at least one kept block)."""
     ok = set(allowed)
     INF = math.inf
     # f[(i, j, s)]: best (cost, blocks) with blocks < i decided, block i−1 kept (or i == 0), j removed in s runs
@@ -142,7 +95,7 @@ def best_per_span_count(cost: dict[tuple[int, int], float], allowed: list[int], 
                 if i == num_layers:
                     continue
                 offer(f, (i + 1, j, s), cur)  # keep block i
-                for b in range(i + 1, min(i + k - j, num_layers) + 1):  # remove the run [i, b)
+                for b in range(i + 1, min(i + k - j, num_layers) + 1):  # remove the run [i, b), keep block b
                     if b - 1 not in ok:
                         break
                     c = cost.get((i, b), INF)
@@ -155,7 +108,24 @@ def best_per_span_count(cost: dict[tuple[int, int], float], allowed: list[int], 
                             offer(best, s + 1, cand)
                     else:
                         offer(f, (b + 1, jj, s + 1), cand)
-    return {s: sorted(v[1]) for s, v in sorted(best.items())}
+    if not best:
+        raise CriterionError(f"linear_fit: no set of {k} blocks fits the guards (allowed blocks {allowed})")
+    return dict(sorted(best.items()))
+
+
+def select_spans(cost: dict[tuple[int, int], float], allowed: list[int], num_layers: int, k: int) -> list[int]:
+    """The ``k`` blocks of ``allowed`` whose maximal runs ``[a, b)`` minimise ``Σ cost(a, b)``
+    (ties: the lexicographically smallest block list). ``cost`` holds every allowed run of at most
+    ``k`` blocks."""
+    return sorted(min(_best_sets(cost, allowed, num_layers, k).values())[1])
+
+
+def best_per_span_count(cost: dict[tuple[int, int], float], allowed: list[int], num_layers: int, k: int
+                        ) -> dict[int, list[int]]:
+    """For every number of spans ``s``, the ``k`` blocks of ``allowed`` made of exactly ``s`` maximal runs
+    that minimise ``Σ cost(a, b)`` (ties: the lexicographically smallest block list); counts that no set
+    fits are absent. The least of them is :func:`select_spans`'s choice."""
+    return {s: sorted(v[1]) for s, v in _best_sets(cost, allowed, num_layers, k).items()}
 
 
 class _Map(nn.Module):
