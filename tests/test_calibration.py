@@ -321,10 +321,10 @@ def test_ddp_two_processes_match_one(tmp_path, extra):
 
 def test_ddp_guard_and_cosine_and_linear_fit_match_one_process(tmp_path):
     """The KL guard (a judge pass with one all-reduce per span), ReplaceMe's cosine fit (activations
-    gathered in window order) and the linear_fit criterion: 2 processes give what 1 gives."""
+    gathered in window order) and the linear_fit / linear_fit_kl criteria: 2 processes give what 1 gives."""
     reports = {}
-    for solver in ("guarded_span", "replaceme_cosine"):
-        extra = ["--calibration.solver", solver, "--prune.layers", "null", "--prune.criterion", "linear_fit",
+    for solver, criterion in (("guarded_span", "linear_fit"), ("replaceme_cosine", "linear_fit_kl")):
+        extra = ["--calibration.solver", solver, "--prune.layers", "null", "--prune.criterion", criterion,
                  "--prune.ratio", "0.34", "--calibration.cosine_epochs", "2"]
         _cli("--output_dir", str(tmp_path / f"{solver}1"), *extra)
         _cli("--output_dir", str(tmp_path / f"{solver}2"), *extra, world=2)
@@ -332,6 +332,9 @@ def test_ddp_guard_and_cosine_and_linear_fit_match_one_process(tmp_path):
         assert r1["pruned_layers"] == r2["pruned_layers"] and r1["selection"]["selected"] == r1["pruned_layers"]
         for key, v in r1["selection"]["span_costs"].items():
             assert r2["selection"]["span_costs"][key] == pytest.approx(v, rel=1e-5)
+        for c1, c2 in zip(r1["selection"].get("candidates", []), r2["selection"].get("candidates", [])):
+            assert c1["blocks"] == c2["blocks"] and c2["kl"] == pytest.approx(c1["kl"], rel=1e-5)
+        assert ("candidates" in r1["selection"]) == (criterion == "linear_fit_kl")
         w1 = load_file(str(tmp_path / f"{solver}1" / "lra.safetensors"))
         w2 = load_file(str(tmp_path / f"{solver}2" / "lra.safetensors"))
         assert w1.keys() == w2.keys()
