@@ -87,14 +87,16 @@ def plot(folder: Path, cfg, pts: list[dict], sets: list[str]) -> None:
 
     fig, axes = plt.subplots(len(cfg.repairs), len(sets), figsize=(5 * len(sets), 3.6 * len(cfg.repairs)),
                              squeeze=False, sharex=True, sharey="col")
-    colors = {c: plt.cm.tab10(i % 10) for i, c in enumerate(cfg.criteria)}
+    # ten colours, then the same colours again with dashed lines and square markers
+    style = {c: dict(color=plt.cm.tab10(i % 10), linestyle="-" if i < 10 else "--", marker="o" if i < 10 else "s")
+             for i, c in enumerate(cfg.criteria)}
     for i, r in enumerate(cfg.repairs):
         for j, s in enumerate(sets):
             ax = axes[i][j]
             for crit in cfg.criteria:
                 xs = sorted((p["blocks_removed"], p["kl"][s]) for p in pts if p["criterion"] == crit and p["repair"] == r)
                 if xs:
-                    ax.plot([x for x, _ in xs], [y for _, y in xs], marker="o", color=colors[crit], label=crit)
+                    ax.plot([x for x, _ in xs], [y for _, y in xs], label=crit, **style[crit])
             ax.set_yscale("log")
             ax.set_title(f"{LABELS.get(r, r)}: KL to the original, {set_label(s)}")
             ax.set_xlabel("blocks removed")
