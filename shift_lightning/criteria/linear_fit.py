@@ -329,9 +329,8 @@ class LinearFitKL(LinearFit):
         sums = self.sums.cpu()
         n = sums[:, 2].clamp_min(1)
         kl, top1 = (sums[:, 0] / n).tolist(), (sums[:, 1] / n).tolist()
-        order = sorted(range(len(self.cands)), key=lambda i: (kl[i], i))
         spans = list(self.cands)
-        selected = self.cands[spans[order[0]]]
+        selected = self.cands[spans[min(range(len(spans)), key=lambda i: (kl[i], i))]]
         cost = self.cost
         scores = {i: cost.get((i, i + 1), float("nan")) for i in range(self.L)}
         return scores, {

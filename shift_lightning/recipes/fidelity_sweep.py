@@ -22,12 +22,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..calibration import CalibrationConfig, CalibrationModule
-from ..criteria import PruneConfig
+from ..criteria import REPAIR_AWARE, PruneConfig
 from ..evaluation.trunk import TrunkCache
 from ..selection import select_blocks
 from ..surgery import remove_blocks
 from . import harness
-from .reproduce import CRITERIA_ORDER, REPAIR_AWARE, ReproduceConfig, eval_config
+from .reproduce import CRITERIA_ORDER, ReproduceConfig, eval_config
 from .tables import sweep as tables
 
 log = logging.getLogger(__name__)
