@@ -43,6 +43,7 @@ from torch import nn
 
 from ..arch import Bypass, block_hooks, decoder_layers, swapped_blocks
 from ..fidelity import kl_top1_from_hidden, lm_softcap, topk_from_hidden
+from ..lra import AdapterSpec, LinearResidualAdapter
 from ..stats import RidgeStats, ridge_solve
 from .base import CriterionError
 
@@ -126,18 +127,6 @@ def best_per_span_count(cost: dict[tuple[int, int], float], allowed: list[int], 
     that minimise ``Σ cost(a, b)`` (ties: the lexicographically smallest block list); counts that no set
     fits are absent. The least of them is :func:`select_spans`'s choice."""
     return {s: sorted(v[1]) for s, v in _best_sets(cost, allowed, num_layers, k).items()}
-
-
-class _Map(nn.Module):
-    """``x ↦ x + x Wᵀ + b``: one block's LRA, standing in for the block (:class:`~shift_lightning.arch.Bypass`)."""
-
-    def __init__(self, W: torch.Tensor, b: torch.Tensor):
-        super().__init__()
-        self.W, self.b = W, b
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        W, b = self.W.to(x), self.b.to(x)
-        return x + x @ W.T + b
 
 
 class LinearFit:
@@ -287,6 +276,7 @@ class LinearFitKL(LinearFit):
         self.topk = topk
         self.cost: dict[tuple[int, int], float] = {}
         self.cands: dict[int, list[int]] = {}
+        self.adapters: dict[int, LinearResidualAdapter] = {}
 
     @property
     def done(self) -> bool:
@@ -307,7 +297,7 @@ class LinearFitKL(LinearFit):
         kw = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         ref = topk_from_hidden(model.model(**kw).last_hidden_state[mask], head, self.topk, softcap)
         for n, blocks in enumerate(self.cands.values()):
-            with swapped_blocks(model, {j: Bypass(_Map(*self.maps[j])) for j in blocks}):
+            with swapped_blocks(model, {j: Bypass(self.adapters[j]) for j in blocks}):
                 h = model.model(**kw).last_hidden_state[mask]
             kl, agree = kl_top1_from_hidden(h, head, ref, softcap)
             self.sums[n, 0] += kl.sum().to(self.sums)
@@ -321,7 +311,15 @@ class LinearFitKL(LinearFit):
         if self.phase == 1:  # the span costs are in: the candidates of the whole-model judge
             self.cost = self.span_costs()
             self.cands = best_per_span_count(self.cost, self.allowed, self.L, self.k)
+            self.adapters = {j: self._adapter(*self.maps[j]) for j in sorted({j for c in self.cands.values() for j in c})}
         self.phase += 1
+
+    @staticmethod
+    def _adapter(W: torch.Tensor, b: torch.Tensor) -> LinearResidualAdapter:
+        """Block ``j``'s LRA ``x ↦ x + x Wᵀ + b`` as the module calibration builds."""
+        a = LinearResidualAdapter(AdapterSpec(W.shape[0]), dtype=W.dtype, device=W.device)
+        a.set_full(W, b)
+        return a
 
     def finalize(self):
         from ..calibration.sites import contiguous_spans
