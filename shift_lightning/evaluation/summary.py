@@ -89,6 +89,12 @@ class Bootstrap:
         return {"avg": sum(point.values()) / len(self.tasks), "avg_ci": _ci(avg_b),
                 "robust": self._robust(point, self._orig_point), "robust_ci": _ci(rob_b)}
 
+    def robust_samples(self, name: str) -> tuple[float, np.ndarray]:
+        """One row's Robust and its ``n_boot`` resampled values (the same doc resamples for every row, so
+        a statistic computed over several rows can be resampled with them)."""
+        point, boot = self._means(name)
+        return self._robust(point, self._orig_point), self._robust(boot, self._orig_boot, floor=True)
+
     def difference(self, a: str, b: str) -> dict:
         """``a − b`` in avg and robust, with paired 95 % intervals."""
         pa, ba = self._means(a)
