@@ -61,10 +61,17 @@ def test_rows_are_read_from_both_grids_once_each(tmp_path):
         (tmp_path / g / "m" / c).mkdir(parents=True, exist_ok=True)
         (tmp_path / g / "m" / c / f"{v}.json").write_text(json.dumps(r))
     (tmp_path / "wiki" / "m" / "original.json").write_text(json.dumps(_run(None, "original", [], orig, None)))
+    # a check folder (another depth): its copy of the original is not read; its rows are not fitted nor merged
+    (tmp_path / "chk" / "m" / "x").mkdir(parents=True)
+    (tmp_path / "chk" / "m" / "original.json").write_text(json.dumps(_run(None, "original", [], worse, None)))
+    (tmp_path / "chk" / "m" / "x" / "lra.json").write_text(json.dumps(_run("x", "lra", [3], orig, 0.2)))
     cfg = RobustVsKLConfig(models=["m"], grids={"wiki": str(tmp_path / "wiki"), "mixed": str(tmp_path / "mixed")},
-                           n_boot=50)
+                           checks={"10 %": str(tmp_path / "chk"), "gone": str(tmp_path / "nope")}, n_boot=50)
     rows, boot = grid_rows(cfg, "m")
-    assert sorted(r["row"] for r in rows) == ["mixed/x/lra", "wiki/x/lra", "wiki/x/pruned"]
+    assert sorted(r["row"] for r in rows) == ["10 %/x/lra", "mixed/x/lra", "wiki/x/lra", "wiki/x/pruned"]
+    chk = next(r for r in rows if r["row"] == "10 %/x/lra")
+    assert not chk["fitted"] and chk["robust"] == pytest.approx(1.0) and chk["robust_ci"][1] >= 1.0
+    assert sum(r["fitted"] for r in rows) == 3
     by = {r["row"]: r for r in rows}
     assert by["wiki/x/lra"]["same_as"] == ["wiki/y/lra"] and by["wiki/x/lra"]["robust"] == pytest.approx(1.0)
     assert by["wiki/x/pruned"]["family"] == "pruned" and by["mixed/x/lra"]["family"] == "lra"

@@ -56,6 +56,10 @@ class RobustVsKLConfig:
     models: list[str] = field(default_factory=lambda: ["smollm2-135m", "gemma3-270m"])
     grids: dict[str, str] = field(default_factory=lambda: {"wiki": "results/paper", "mixed": "results/paper_mixed"})
     """Calibration text → paper-grid folder (rows scored on the same docs)."""
+    checks: dict[str, str] = field(default_factory=lambda: {"10 %": "results/paper_r10"})
+    """Name → folder of rows measured outside the grids (another depth), scored on the same docs: they are
+    not fitted; the curve's prediction at their KL is put beside their measured Robust. A missing folder
+    is skipped."""
     sweep: str | None = "results/fidelity_sweep"
     """Folder of the closeness sweeps (``<model>.json``); ``null``: no predictions."""
     sweep_repairs: list[str] = field(default_factory=lambda: ["lra", "guarded"])
@@ -111,33 +115,49 @@ def grid_rows(cfg: RobustVsKLConfig, model: str) -> tuple[list[dict], object] | 
 
     key = model_key(model)
     named, labels = {}, {}
-    for g, folder in cfg.grids.items():
+    folders = [(g, folder, True) for g, folder in cfg.grids.items()] + \
+              [(c, folder, False) for c, folder in cfg.checks.items()]
+    for g, folder, fitted in folders:
         for (crit, v), r in load_runs(Path(folder) / key).items():
             if crit is None:
-                named.setdefault("original", r)
+                if fitted:  # the grids' original (a check folder's copy of it is not read)
+                    named.setdefault("original", r)
             elif cfg.kl_set in r.get("fidelity", {}):
                 named[f"{g}/{crit}/{v}"] = r
-                labels[f"{g}/{crit}/{v}"] = (g, crit, v)
+                labels[f"{g}/{crit}/{v}"] = (g, crit, v, fitted)
     if "original" not in named:
         return None
     boot = Bootstrap(named, "original", n_boot=cfg.n_boot)
     rows, seen = [], {}
-    for name, (g, crit, v) in labels.items():
+    for name, (g, crit, v, fitted) in labels.items():
         r = named[name]
         vec = task_vectors(r)
         ident = (tuple(r["pruned_layers"]), round(r["fidelity"][cfg.kl_set]["kl"], 9),
                  tuple(bytes(vec[t].astype(np.uint8)) for t in sorted(vec)))
-        if ident in seen:
+        if fitted and ident in seen:
             seen[ident]["same_as"].append(name)
             continue
         point, samples = boot.robust_samples(name)
         row = {"row": name, "grid": g, "criterion": crit, "variant": v, "family": family(v),
                "blocks": r["pruned_layers"], "kl": r["fidelity"][cfg.kl_set]["kl"],
                "kl_ci": r["fidelity"][cfg.kl_set].get("kl_ci"), "robust": point, "same_as": [],
-               "_samples": samples}
-        seen[ident] = row
+               "_samples": samples, "fitted": fitted}
+        if fitted:
+            seen[ident] = row
+        else:
+            row["robust_ci"] = [float(np.quantile(samples, 0.025)), float(np.quantile(samples, 0.975))]
         rows.append(row)
     return rows, boot
+
+
+def _run_config(cfg: RobustVsKLConfig, source: str | None) -> dict:
+    """The grid settings of a sweep point's run file: the sweep's own runs, or (at the paper grid's ratio)
+    the wiki grid's run it reuses."""
+    for root in (cfg.sweep, *cfg.grids.values()):
+        if source and root and (Path(root) / source).exists():
+            conf = json.loads((Path(root) / source).read_text()).get("config", {})
+            return conf.get("grid", conf)
+    return {}
 
 
 def sweep_predictions(cfg: RobustVsKLConfig, model: str, kappa: dict) -> list[dict]:
@@ -153,8 +173,10 @@ def sweep_predictions(cfg: RobustVsKLConfig, model: str, kappa: dict) -> list[di
         best = min((p for p in pts if p["blocks_removed"] == n), key=lambda p: p["kl"][cfg.kl_set])
         k = best["kl"][cfg.kl_set]
         f = CURVES["hyperbolic"][0]
+        grid = _run_config(cfg, best.get("source"))
         out.append({"blocks_removed": n, "ratio": best["ratio"], "criterion": best["criterion"],
-                    "repair": best["repair"], "kl": k, "predicted_robust": float(f(k, kappa["point"])),
+                    "repair": best["repair"], "calibration": grid.get("calib_source") or grid.get("text_source"),
+                    "kl": k, "predicted_robust": float(f(k, kappa["point"])),
                     "predicted_robust_ci": sorted(float(f(k, x)) for x in kappa["ci"])})
     return out
 
@@ -164,6 +186,8 @@ def analyse(cfg: RobustVsKLConfig, model: str) -> dict | None:
     if got is None:
         return None
     rows, boot = got
+    checks = [r for r in rows if not r.pop("fitted")]
+    rows = [r for r in rows if r not in checks]
     kl = np.array([r["kl"] for r in rows])
     rob = np.array([r["robust"] for r in rows])
     samples = np.stack([r.pop("_samples") for r in rows], axis=1)  # (B, n)
@@ -176,6 +200,11 @@ def analyse(cfg: RobustVsKLConfig, model: str) -> dict | None:
                        "kl_at_goal_ci": [float(at(x, cfg.goal)) for x in kci],
                        "rmse": float(np.sqrt(((rob - f(kl, k0)) ** 2).mean()))}
     h = fits["hyperbolic"]
+    f = CURVES["hyperbolic"][0]
+    for c in checks:
+        c.pop("_samples")
+        c["predicted_robust"] = float(f(c["kl"], h["kappa"]))
+        c["predicted_robust_ci"] = sorted(float(f(c["kl"], x)) for x in h["kappa_ci"])
     lra = [r for r in rows if r["family"] == "lra"]
     closest = min(lra, key=lambda r: r["kl"]) if lra else None
     best = max(lra, key=lambda r: r["robust"]) if lra else None
@@ -184,7 +213,7 @@ def analyse(cfg: RobustVsKLConfig, model: str) -> dict | None:
             "spearman": spearman(kl, rob), "fits": fits,
             "closest_repair": closest, "best_robust_repair": best,
             "goal_kl_reached_by": [r["row"] for r in rows if r["kl"] <= h["kl_at_goal"]],
-            "sweep": sweep_predictions(cfg, model, {"point": h["kappa"], "ci": h["kappa_ci"]}),
+            "sweep": sweep_predictions(cfg, model, {"point": h["kappa"], "ci": h["kappa_ci"]}), "checks": checks,
             "points": sorted(rows, key=lambda r: r["kl"])}
 
 
@@ -198,8 +227,9 @@ def markdown(docs: list[dict], cfg: RobustVsKLConfig) -> str:
            "Every row of the paper grids (`results/paper`, `results/paper_mixed`: pruning alone, every repair and "
            "peer map, under every criterion, both calibration texts; copies of one run counted once): Robust (the "
            "share of the original's above-chance accuracy kept, 400 docs a task) against KL(original ‖ model) on "
-           f"the tasks' prompts. Curve: R = 1 / (1 + KL / κ), least squares; KL at {goal} % Robust = κ / 4 "
-           f"(check: R = exp(−KL / κ), KL at {goal} % = κ ln 1.25). Intervals: 95 %, refits on the grids' paired "
+           f"the tasks' prompts. Curve: R = 1 / (1 + KL / κ), least squares; KL at {goal} % Robust = "
+           f"κ (1/{cfg.goal:g} − 1) (check: R = exp(−KL / κ), KL at {goal} % = κ ln(1/{cfg.goal:g})). Intervals: "
+           "95 %, refits on the grids' paired "
            f"doc resamples ({cfg.n_boot}); they cover accuracy noise only. "
            "Command: `python -m shift_lightning.recipes.robust_vs_kl`.", "",
            f"| model | rows (read) | eligible tasks | Spearman ρ | κ | KL at {goal} % Robust | RMSE | "
@@ -217,15 +247,26 @@ def markdown(docs: list[dict], cfg: RobustVsKLConfig) -> str:
             + "; ".join(f"{d['model']}: " + (", ".join(f"`{x}`" for x in d["goal_kl_reached_by"]) or "none")
                         for d in docs) + ".", ""]
     for d in docs:
+        if d["checks"]:
+            out += [f"**{d['model']}**, rows measured outside the grids (not fitted): the curve's prediction at "
+                    "their KL against their measured Robust:", "",
+                    "| check | row | blocks removed | KL tasks | predicted Robust | measured Robust |",
+                    "|---|---|---|---:|---:|---:|"]
+            for c in d["checks"]:
+                out.append(f"| {c['grid']} | {c['criterion']} / {c['variant']} | {', '.join(map(str, c['blocks']))} "
+                           f"| {c['kl']:.3f} | {fmt_ci(c['predicted_robust'], c['predicted_robust_ci'])} | "
+                           f"{fmt_ci(c['robust'], c['robust_ci'])} |")
+            out.append("")
         if not d["sweep"]:
             continue
         out += [f"**{d['model']}**, the closeness sweep's closest repaired model at each depth "
                 f"(`results/fidelity_sweep`, repairs {', '.join(cfg.sweep_repairs)}) and the Robust the curve "
                 "**predicts** for it (not measured):", "",
-                "| blocks removed | ratio | criterion | repair | KL tasks | predicted Robust |",
-                "|---:|---:|---|---|---:|---:|"]
+                "| blocks removed | ratio | criterion | repair | calibration text | KL tasks | predicted Robust |",
+                "|---:|---:|---|---|---|---:|---:|"]
         for s in d["sweep"]:
-            out.append(f"| {s['blocks_removed']} | {s['ratio']} | {s['criterion']} | {s['repair']} | {s['kl']:.3f} | "
+            out.append(f"| {s['blocks_removed']} | {s['ratio']} | {s['criterion']} | {s['repair']} | "
+                       f"{s['calibration'] or '?'} | {s['kl']:.3f} | "
                        f"{fmt_ci(s['predicted_robust'], s['predicted_robust_ci'])} |")
         out.append("")
     return "\n".join(out)
@@ -246,6 +287,9 @@ def plot(path: Path, docs: list[dict], cfg: RobustVsKLConfig) -> None:
             p = [x for x in d["points"] if x["family"] == fam]
             if p:
                 ax.scatter([x["kl"] for x in p], [100 * x["robust"] for x in p], s=18, alpha=0.75, **st)
+        if d["checks"]:
+            ax.scatter([c["kl"] for c in d["checks"]], [100 * c["robust"] for c in d["checks"]], marker="*", s=90,
+                       color="tab:red", zorder=3, label="measured outside the grids (not fitted)")
         h = d["fits"]["hyperbolic"]
         ks = np.exp(np.linspace(np.log(0.05), np.log(max(x["kl"] for x in d["points"]) * 1.2), 200))
         ax.plot(ks, 100 * CURVES["hyperbolic"][0](ks, h["kappa"]), color="k", lw=1,
