@@ -192,13 +192,20 @@ def analyse(cfg: RobustVsKLConfig, model: str) -> dict | None:
     rob = np.array([r["robust"] for r in rows])
     samples = np.stack([r.pop("_samples") for r in rows], axis=1)  # (B, n)
     fits = {}
-    for curve, (f, at) in CURVES.items():
-        k0 = float(fit_kappa(kl, rob, curve)[0])
-        kb = fit_kappa(kl, samples, curve)
+    own = np.array([r["family"] == "lra" for r in rows])
+    # the two curves over every row, and the first over the LRA's own rows only (no pruning, no peers)
+    for name, curve, m in (("hyperbolic", "hyperbolic", slice(None)), ("exponential", "exponential", slice(None)),
+                           ("hyperbolic_lra_rows", "hyperbolic", own)):
+        f, at = CURVES[curve]
+        n = len(kl[m])
+        if n == 0:
+            continue
+        k0 = float(fit_kappa(kl[m], rob[m], curve)[0])
+        kb = fit_kappa(kl[m], samples[:, m], curve)
         kci = [float(np.quantile(kb, 0.025)), float(np.quantile(kb, 0.975))]
-        fits[curve] = {"kappa": k0, "kappa_ci": kci, "kl_at_goal": float(at(k0, cfg.goal)),
-                       "kl_at_goal_ci": [float(at(x, cfg.goal)) for x in kci],
-                       "rmse": float(np.sqrt(((rob - f(kl, k0)) ** 2).mean()))}
+        fits[name] = {"curve": curve, "rows": n, "kappa": k0, "kappa_ci": kci,
+                      "kl_at_goal": float(at(k0, cfg.goal)), "kl_at_goal_ci": [float(at(x, cfg.goal)) for x in kci],
+                      "rmse": float(np.sqrt(((rob[m] - f(kl[m], k0)) ** 2).mean()))}
     h = fits["hyperbolic"]
     f = CURVES["hyperbolic"][0]
     for c in checks:
@@ -233,15 +240,19 @@ def markdown(docs: list[dict], cfg: RobustVsKLConfig) -> str:
            f"doc resamples ({cfg.n_boot}); they cover accuracy noise only. "
            "Command: `python -m shift_lightning.recipes.robust_vs_kl`.", "",
            f"| model | rows (read) | eligible tasks | Spearman ρ | κ | KL at {goal} % Robust | RMSE | "
-           f"exp. curve: KL at {goal} % (RMSE) | closest repaired row: KL, Robust | best repaired Robust (KL) |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
+           f"exp. curve: KL at {goal} % (RMSE) | LRA rows only: KL at {goal} % (rows) | closest repaired row: KL, "
+           "Robust | best repaired Robust (KL) |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for d in docs:
         h, e, c, b = d["fits"]["hyperbolic"], d["fits"]["exponential"], d["closest_repair"], d["best_robust_repair"]
+        own = d["fits"].get("hyperbolic_lra_rows")
+        own_txt = (f"{own['kl_at_goal']:.2f} [{own['kl_at_goal_ci'][0]:.2f}, {own['kl_at_goal_ci'][1]:.2f}] "
+                   f"({own['rows']})") if own else "–"
         out.append(f"| {d['model']} | {d['rows']} ({d['rows_read']}) | {', '.join(d['eligible_tasks'])} | "
                    f"{d['spearman']:.2f} | {h['kappa']:.2f} [{h['kappa_ci'][0]:.2f}, {h['kappa_ci'][1]:.2f}] | "
                    f"**{h['kl_at_goal']:.2f}** [{h['kl_at_goal_ci'][0]:.2f}, {h['kl_at_goal_ci'][1]:.2f}] | "
                    f"{100 * h['rmse']:.1f} | {e['kl_at_goal']:.2f} [{e['kl_at_goal_ci'][0]:.2f}, "
-                   f"{e['kl_at_goal_ci'][1]:.2f}] ({100 * e['rmse']:.1f}) | "
+                   f"{e['kl_at_goal_ci'][1]:.2f}] ({100 * e['rmse']:.1f}) | {own_txt} | "
                    f"{c['kl']:.3f}, {_pct(c['robust'])} (`{c['row']}`) | {_pct(b['robust'])} ({b['kl']:.3f}, `{b['row']}`) |")
     out += ["", "Rows within the KL the curve gives for the goal: "
             + "; ".join(f"{d['model']}: " + (", ".join(f"`{x}`" for x in d["goal_kl_reached_by"]) or "none")
