@@ -174,3 +174,38 @@ def window_references(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     finally:
         model.train(was)
     return out
+
+
+def _chunk_kd_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, index: torch.Tensor,
+                  logp: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    lq = _logp(torch.nn.functional.linear(hidden, weight, bias), softcap)  # (n, V), float32 at least
+    lq_k = lq.gather(-1, index)
+    lp_k = logp.to(lq.dtype)
+    p_k = lp_k.exp()
+    p_tail = (1.0 - p_k.sum(-1)).clamp_min(0.0)
+    # log q_tail = logsumexp over the tokens outside the original's top k (no 1 − Σ cancellation)
+    lq_tail = torch.logsumexp(lq.scatter(-1, index, float("-inf")), dim=-1)
+    tail = torch.where(p_tail > 0, p_tail * (p_tail.clamp_min(1e-30).log() - lq_tail), torch.zeros_like(p_tail))
+    return ((p_k * (lp_k - lq_k)).sum(-1) + tail).sum()
+
+
+def kd_loss_sum(hidden: torch.Tensor, head, ref: TopK, softcap: float | None = None, chunk: int = 1024
+                ) -> torch.Tensor:
+    """``Σ KL_k(p ‖ q)`` over positions, differentiable in the model (distillation towards the original):
+    the same coarse-grained KL as :func:`kl_top1` (``hidden: (N, d)`` after the final norm, ``head``
+    the LM head, ``ref`` the original's :class:`TopK` at the same ``N`` positions). The tail bucket's
+    ``log q_tail`` is a logsumexp over the tokens outside the top ``k``. Under autograd each chunk of
+    logits is recomputed in the backward pass, so at most one ``(chunk, V)`` block exists at a time."""
+    assert hidden.shape[0] == len(ref), (hidden.shape, len(ref))
+    weight, bias = head.weight, getattr(head, "bias", None)
+    total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+    for s in range(0, hidden.shape[0], chunk):
+        r = ref.slice(s, s + chunk).to(hidden.device)
+        args = (hidden[s:s + chunk], weight, bias, r.index, r.logp, softcap)
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            from torch.utils.checkpoint import checkpoint
+
+            total = total + checkpoint(_chunk_kd_sum, *args, use_reentrant=False)
+        else:
+            total = total + _chunk_kd_sum(*args)
+    return total

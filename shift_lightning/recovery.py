@@ -16,7 +16,8 @@ Training details a long run needs:
 
 * the loss is the next-token NLL computed from the final hidden states in chunks
   (:func:`~shift_lightning.nll.lm_nll_sum`): no ``(B, T, V)`` float32 logits are materialised;
-  Alpaca data restricts it to the response tokens;
+  Alpaca data restricts it to the response tokens; ``loss="kd"``: KL(original ‖ model) instead, chunked
+  the same way (:func:`~shift_lightning.fidelity.kd_loss_sum`);
 * AdamW (no decay on biases/norms), LRAs in their own parameter group (``lra_lr``), linear warm-up
   then cosine decay to ``min_lr_ratio``; logs ``train/loss``, ``train/lr`` (``train/lra_lr``),
   ``train/tokens_per_s``, ``val/loss``, ``val/ppl`` (token-weighted, summed over ranks);
@@ -45,6 +46,7 @@ from torch import nn
 from . import dist, stopping
 from .arch import base_model, decoder_layers
 from .errors import ConfigError
+from .fidelity import kd_loss_sum, kl_top1_from_hidden
 from .nll import lm_nll_sum
 from .calibration.sites import pruned_positions
 from .export import export_recovered
@@ -84,12 +86,16 @@ class RecoveryConfig:
     """Final learning rate as a fraction of the peak."""
     seed: int = 0
     """Seed of the data order and of dropout (reseeded per step, so resuming is exact)."""
+    loss: Literal["nll", "kd"] = "nll"
+    """``nll``: next-token NLL; ``kd``: the mean KL(original ‖ model) against the original's top ``kd_topk``
+    on every training window, recorded before pruning (windows × tokens × ``kd_topk`` × 12 bytes, logged)."""
+    kd_topk: int = 64
+    """``kd``: the original's most likely tokens kept per training position (the rest is one tail bucket)."""
     loss_chunk_tokens: int = 1024
     """Positions per chunk of the LM-head loss (bounds the float32 logits kept in memory)."""
     val_kl: bool = True
-    """Log ``val/kl`` (next-token KL(original ‖ model), nats per position) and ``val/top1`` at every
-    validation: the original's top-``val_kl_topk`` distributions on the validation windows are recorded
-    once, before pruning (from the base model of a calibrated folder)."""
+    """Log ``val/kl`` (KL(original ‖ model), nats per position) and ``val/top1`` at every validation, against the
+    original's top-``val_kl_topk`` on the validation windows, recorded before pruning (or from a folder's base)."""
     val_kl_topk: int = 256
     """The original's most likely tokens kept per validation position."""
     gradient_checkpointing: bool = False
@@ -100,12 +106,14 @@ class RecoveryConfig:
         """Cheap checks before anything is loaded or calibrated."""
         if self.method not in ("lora", "partial", "lra"):
             raise ConfigError(f"--recovery.method must be 'lora', 'partial' or 'lra', got {self.method!r}")
-        positive = {"lr": self.lr, "lra_lr": self.lra_lr}
-        for name, v in positive.items():
+        if self.loss not in ("nll", "kd"):
+            raise ConfigError(f"--recovery.loss must be 'nll' or 'kd', got {self.loss!r}")
+        for name, v in {"lr": self.lr, "lra_lr": self.lra_lr}.items():
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ConfigError(f"--recovery.{name} must be a finite number > 0, got {v}")
         for name, v, lo in (("lora_r", self.lora_r, 1), ("lora_alpha", self.lora_alpha, 1),
                             ("loss_chunk_tokens", self.loss_chunk_tokens, 1), ("val_kl_topk", self.val_kl_topk, 1),
+                            ("kd_topk", self.kd_topk, 1),
                             ("warmup_steps", self.warmup_steps, 0)):
             if not isinstance(v, int) or v < lo:
                 raise ConfigError(f"--recovery.{name} must be an integer >= {lo}, got {v}")
@@ -125,11 +133,16 @@ class RecoveryModule(L.LightningModule):
     """Fine-tunes a corrected model; see the module docstring for what it logs and checkpoints."""
 
     def __init__(self, model: nn.Module, cfg: RecoveryConfig | None = None, pruned_layers: list[int] | None = None,
-                 original_num_layers: int | None = None, tokenizer=None, reference: dict | None = None):
+                 original_num_layers: int | None = None, tokenizer=None, reference: dict | None = None,
+                 teacher: dict | None = None):
         super().__init__()
         self.reference = reference  # val window index -> the original's TopK (val/kl, val/top1); plain attribute
+        self.teacher = teacher  # train window index -> the original's TopK (loss "kd"); plain attribute
         self.cfg = cfg = cfg or RecoveryConfig()
         cfg.validate()
+        if cfg.loss == "kd" and teacher is None:
+            raise ConfigError("--recovery.loss kd needs the original model's distributions on the training windows, "
+                              "recorded from the unpruned model: a calibrated folder whose base model loads")
         if cfg.method == "lra" and adapter_set(model) is None:
             raise ConfigError("recovery.method='lra' needs a model with adapters (a calibrated folder)")
         self.train_lra = cfg.train_lra or cfg.method == "lra"
@@ -264,23 +277,32 @@ class RecoveryModule(L.LightningModule):
 
         optimizer.step(closure=closure)
 
-    def _nll(self, batch, keep_hidden: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, mask = batch["input_ids"], batch["attention_mask"]
+    def _forward(self, batch):
         lm = base_model(self.model)  # PEFT injects LoRA into the modules: the HF model runs them
-        hidden = lm.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        if keep_hidden is not None:
-            keep_hidden.append(hidden)
-        softcap = getattr(lm.config, "final_logit_softcapping", None)
-        return lm_nll_sum(hidden, lm.lm_head, ids, mask, self.cfg.loss_chunk_tokens, softcap,
-                          loss_mask=batch.get("loss_mask"))
+        hidden = lm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                          use_cache=False).last_hidden_state
+        return lm, hidden, getattr(lm.config, "final_logit_softcapping", None)
+
+    def _nll(self, batch, fwd: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        lm, hidden, softcap = fwd or self._forward(batch)
+        return lm_nll_sum(hidden, lm.lm_head, batch["input_ids"], batch["attention_mask"], self.cfg.loss_chunk_tokens,
+                          softcap, loss_mask=batch.get("loss_mask"))
 
     def on_train_batch_start(self, batch, batch_idx):
         # dropout masks are a function of (seed, step, rank): a resumed run draws the same ones
         micro = self.global_step * self.trainer.accumulate_grad_batches + batch_idx % self.trainer.accumulate_grad_batches
         torch.manual_seed(self.cfg.seed * 1_000_003 + micro * 7919 + self.global_rank)
 
+    def _kd(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Σ KL_k(original ‖ model), #positions)`` over the batch's real positions (loss ``kd``)."""
+        lm, hidden, softcap = self._forward(batch)
+        mask, refs = batch["attention_mask"].bool(), [self.teacher[int(w)] for w in batch["index"].tolist()]
+        total = sum(kd_loss_sum(hidden[b][mask[b]], lm.lm_head, r, softcap, self.cfg.loss_chunk_tokens)
+                    for b, r in enumerate(refs))
+        return total, torch.tensor(sum(map(len, refs)), device=hidden.device)
+
     def training_step(self, batch, batch_idx):
-        s, n = self._nll(batch)
+        s, n = self._kd(batch) if self.cfg.loss == "kd" else self._nll(batch)
         loss = s / n.clamp_min(1)
         bs = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=bs, sync_dist=True)
@@ -318,18 +340,14 @@ class RecoveryModule(L.LightningModule):
         self._val_close = torch.zeros(3, dtype=torch.float64, device=self.device)  # Σ KL, Σ top-1, positions
 
     def validation_step(self, batch, batch_idx):
-        hidden: list = []
-        s, n = self._nll(batch, hidden if self.reference is not None else None)
+        lm, hidden, softcap = fwd = self._forward(batch)
+        s, n = self._nll(batch, fwd)
         self._val_nll += s.double()
         self._val_tokens += n.double()
         if self.reference is not None and "index" in batch:
-            from .fidelity import kl_top1_from_hidden
-
-            lm = base_model(self.model)
-            softcap = getattr(lm.config, "final_logit_softcapping", None)
             mask = batch["attention_mask"].bool()
             for b, w in enumerate(batch["index"].tolist()):
-                kl, agree = kl_top1_from_hidden(hidden[0][b][mask[b]], lm.lm_head, self.reference[int(w)], softcap)
+                kl, agree = kl_top1_from_hidden(hidden[b][mask[b]], lm.lm_head, self.reference[int(w)], softcap)
                 self._val_close += torch.tensor([kl.sum().item(), agree.sum().item(), kl.numel()],
                                                 dtype=torch.float64, device=self.device)
 

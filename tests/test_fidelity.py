@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shift_lightning.evaluation.runner import EvalConfig, evaluate_model, make_evaluator, record_reference
-from shift_lightning.fidelity import kl_exact, kl_top1, topk_reference
+from shift_lightning.fidelity import kd_loss_sum, kl_exact, kl_top1, topk_reference
 from shift_lightning.models import build_tiny_model
 from shift_lightning.surgery import remove_blocks
 
@@ -41,6 +41,39 @@ def test_topk_kl_is_exact_with_the_whole_vocabulary_and_a_lower_bound_otherwise(
     # identical distributions: zero, top-1 agreement everywhere
     same, agree = kl_top1(p, topk_reference(p, k=16))
     assert same.abs().max() < 1e-12 and agree.all()
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_the_distillation_loss_is_the_measured_kl_and_its_gradient_the_dense_one(softcap):
+    """kd_loss_sum (recovery's ``loss: kd``) is kl_top1's KL, summed, for any chunking; its gradient through
+    the checkpointed chunks equals that of the same KL written densely over the whole vocabulary."""
+    torch.manual_seed(0)
+    d, V, n = 16, 300, 37
+    head = torch.nn.Linear(d, V, bias=False).double()
+    h_p, h_q = torch.randn(n, d, dtype=torch.float64), torch.randn(n, d, dtype=torch.float64)
+    cap = (lambda x: torch.tanh(x / softcap) * softcap) if softcap else (lambda x: x)
+    with torch.no_grad():
+        ref = topk_reference(head(h_p), k=8, softcap=softcap)
+        measured, _ = kl_top1(head(h_q), ref, softcap=softcap)
+    for chunk in (5, 37, 1024):
+        torch.testing.assert_close(kd_loss_sum(h_q, head, ref, softcap, chunk=chunk).double(), measured.sum(),
+                                   rtol=1e-6, atol=1e-8)
+    # dense: the same k + 1 buckets from the full log-softmax
+    x = h_q.clone().requires_grad_(True)
+    lq = torch.log_softmax(cap(head(x)), -1)
+    lq_k, lp_k = lq.gather(-1, ref.index), ref.logp.double()
+    p_tail = 1 - lp_k.exp().sum(-1)
+    q_tail = 1 - lq_k.exp().sum(-1)
+    dense = ((lp_k.exp() * (lp_k - lq_k)).sum(-1) + p_tail * (p_tail.log() - q_tail.log())).sum()
+    g_dense, g_w_dense = torch.autograd.grad(dense, [x, head.weight])
+    y = h_q.clone().requires_grad_(True)
+    g, g_w = torch.autograd.grad(kd_loss_sum(y, head, ref, softcap, chunk=5), [y, head.weight])
+    torch.testing.assert_close(g, g_dense, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(g_w, g_w_dense, rtol=1e-6, atol=1e-9)
+    # the original itself: zero loss, zero gradient
+    z = h_p.clone().requires_grad_(True)
+    loss = kd_loss_sum(z, head, ref, softcap)
+    assert abs(loss.item()) < 1e-5 and torch.autograd.grad(loss, z)[0].abs().max() < 1e-5
 
 
 def test_evaluator_reports_closeness_on_every_set_with_intervals():

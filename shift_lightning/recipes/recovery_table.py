@@ -11,6 +11,8 @@ For each criterion, five runs with the same data, steps and seed:
     pruned + LRA* + LoRA      the LRA trained too (its own, lower learning rate)
     pruned + partial FT       no correction, the block after each pruning site trained
     pruned + LRA + partial FT the frozen LRA in place, the same blocks trained
+    pruned + LoRA (KD)        as "pruned + LoRA", distilled: KL(original ‖ model) as the loss
+    pruned + LRA + LoRA (KD)  as "pruned + LRA + LoRA", distilled
     ========================  =========================================================
 
 Each run logs to TensorBoard (``<out>/tb/<criterion>/<run>``: ``val/ppl`` and ``zeroshot/avg`` on a
@@ -47,12 +49,15 @@ from .train import run_training
 
 log = logging.getLogger(__name__)
 
-#: run name -> (LRA in place, LRA trained, method)
-RUNS = {"lora": (False, False, "lora"), "lra_lora": (True, False, "lora"), "lra_trained_lora": (True, True, "lora"),
-        "partial": (False, False, "partial"), "lra_partial": (True, False, "partial")}
+#: run name -> (LRA in place, LRA trained, method, loss)
+RUNS = {"lora": (False, False, "lora", "nll"), "lra_lora": (True, False, "lora", "nll"),
+        "lra_trained_lora": (True, True, "lora", "nll"), "partial": (False, False, "partial", "nll"),
+        "lra_partial": (True, False, "partial", "nll"), "lora_kd": (False, False, "lora", "kd"),
+        "lra_lora_kd": (True, False, "lora", "kd")}
 LABELS = {"lora": "pruned + LoRA", "lra_lora": "pruned + LRA (frozen) + LoRA",
           "lra_trained_lora": "pruned + LRA (trained) + LoRA", "partial": "pruned + partial-layer FT",
-          "lra_partial": "pruned + LRA (frozen) + partial-layer FT"}
+          "lra_partial": "pruned + LRA (frozen) + partial-layer FT", "lora_kd": "pruned + LoRA, distilled (KD)",
+          "lra_lora_kd": "pruned + LRA (frozen) + LoRA, distilled (KD)"}
 
 
 @dataclass
@@ -129,14 +134,14 @@ def run(cfg: RecoveryTableConfig) -> Path:
             name = run_name.split("/")[1]
             if runs.done(run_name):  # finished meanwhile by another process (--runs split)
                 continue
-            with_lra, train_lra, method = RUNS[name]
+            with_lra, train_lra, method, loss = RUNS[name]
             model = copy.deepcopy(base)
             remove_blocks(model, layers)
             if with_lra:
                 apply_correction(model, correction, n, layers)
             spec = {"original_num_layers": n, "pruned_layers": layers, "criterion": crit,
                     "correction": "lra" if with_lra else "none"}
-            rec = RecoveryConfig(method=method, train_lra=train_lra, lora_r=cfg.lora_r,
+            rec = RecoveryConfig(method=method, train_lra=train_lra, lora_r=cfg.lora_r, loss=loss,
                                  lr=cfg.lr if method == "lora" else cfg.lr / 10, lra_lr=cfg.lra_lr,
                                  warmup_steps=max(cfg.steps // 20, 1), seed=cfg.seed)
             from lightning.pytorch.loggers import TensorBoardLogger

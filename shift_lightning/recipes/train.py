@@ -186,13 +186,21 @@ def run_training(
     t0 = time.time()
     closeness: dict = {}
 
-    def record(original, tokenizer):  # the original's distributions on the validation windows (val/kl)
-        if recovery.val_kl and val is not None and val.num_samples > 0:
-            from ..fidelity import window_references
+    def record(original, tokenizer):  # the original's distributions: validation windows (val/kl), training (kd)
+        from ..fidelity import window_references
 
+        if recovery.val_kl and val is not None and val.num_samples > 0:
             w = build_windows(val, tokenizer, original.config.model_type, "--val")
             closeness["ref"] = window_references(original, w.input_ids, w.attention_mask, recovery.val_kl_topk,
                                                  val.batch_size)
+        if recovery.loss == "kd":
+            t = time.time()
+            w = build_windows(train_data, tokenizer, original.config.model_type, "--train_data")
+            closeness["teacher"] = window_references(original, w.input_ids, w.attention_mask, recovery.kd_topk,
+                                                     train_data.batch_size)
+            log.info("kd: the original's top %d on %d training windows (%d positions, %.0f MB; %.0f s)",
+                     recovery.kd_topk, len(w), w.num_tokens, w.num_tokens * recovery.kd_topk * 12 / 2 ** 20,
+                     time.time() - t)
 
     if built is not None:
         lm, tokenizer, spec = built
@@ -212,7 +220,7 @@ def run_training(
     train_w = build_windows(train_data, tokenizer, model_type, "--train_data")
     val_w = build_windows(val, tokenizer, model_type, "--val") if val is not None and val.num_samples > 0 else None
     module = RecoveryModule(lm, recovery, spec.get("pruned_layers"), spec.get("original_num_layers"), tokenizer=tokenizer,
-                            reference=closeness.get("ref"))
+                            reference=closeness.get("ref"), teacher=closeness.get("teacher"))
     n_train = sum(p.numel() for p in module.parameters() if p.requires_grad)
     dm = RecoveryData(train_w, val_w, batch_size=train_data.batch_size, seed=recovery.seed)
     module.run_info = {"key": run_key(settings), "settings": settings}

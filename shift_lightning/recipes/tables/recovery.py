@@ -9,13 +9,18 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ...outputs import write_file_atomic, write_json_atomic, write_text_atomic
-from .common import fmt_ppl, set_label
+from .common import fmt_kl, fmt_ppl, set_label
 
 log = logging.getLogger(__name__)
 
 
 def _runs_on_disk(out: Path) -> dict[tuple[str, str], dict]:
     return {(d["criterion"], d["run"]): d for d in (json.loads(f.read_text()) for f in sorted(out.glob("*/*.json")))}
+
+
+def _kl_cell(run: dict) -> str:
+    kl = run.get("kl")
+    return " / ".join(fmt_kl(v) for v in kl.values()) if kl else "–"
 
 
 def render(out: Path, cfg, labels: dict[str, str]) -> None:
@@ -38,7 +43,7 @@ def render(out: Path, cfg, labels: dict[str, str]) -> None:
                      "trainable_params": d["trainable_params"], "avg": d["average"],
                      **robust.get(f"{crit}/{name}", {}),
                      "tasks": {t: e["value"] for t, e in d["tasks"].items()},
-                     "ppl": {p: e["ppl"] for p, e in d["perplexity"].items()}})
+                     "ppl": {p: e["ppl"] for p, e in d["perplexity"].items()}, "kl": d.get("kl")})
     write_json_atomic(out / "recovery.json", {"rows": rows, "config": json.loads(json.dumps(asdict(cfg), default=str)),
                                               "reference_untrained": {f"{c}/{v}": {"avg": r["average"], "ppl": {
                                                   p: e["ppl"] for p, e in r["perplexity"].items()}}
@@ -51,26 +56,28 @@ def render(out: Path, cfg, labels: dict[str, str]) -> None:
              f"lr {cfg.lr:g}, partial-layer FT at lr {cfg.lr / 10:g} on the block after each pruning site, a trained "
              f"LRA at lr {cfg.lra_lr:g}; warm-up then cosine. Zero-shot avg on the results tables' "
              f"{cfg.grid.docs} seeded docs per task (7 tasks); **Robust**: the share of the original's above-chance accuracy "
-             "kept (as in results/paper, 95% bootstrap interval over docs); PPL on the same windows as results/paper.",
+             "kept (as in results/paper, 95% bootstrap interval over docs); PPL on the same windows as results/paper; "
+             "KL(original ‖ model) on the paper grid's closeness sets (wiki / LAMBADA / tasks' prompts; – : a run "
+             "made before closeness was measured).",
              "",
              f"Command: `{any_run['command']}`", "",
              "| criterion | run | trainable params | Avg | Robust | " + " | ".join(f"{set_label(p)} PPL" for p in sets)
-             + " |", "|---|---|---:|---:|---:|" + "---:|" * len(sets)]
+             + " | KL wiki / LAMBADA / tasks |", "|---|---|---:|---:|---:|" + "---:|" * len(sets) + "---:|"]
     for crit in cfg.criteria:
         for v, label in (("pruned", "pruned (no training; results/paper)"), ("lra", "pruned + LRA (no training; results/paper)")):
             r = ref.get((crit, v))
             if r:
                 lines.append(f"| {crit} | {label} | 0 | {100 * r['average']:.2f} | "
                              f"{_robust_cell(robust.get(f'paper:{crit}/{v}'))} | "
-                             + " | ".join(fmt_ppl(r["perplexity"][p]["ppl"]) for p in sets) + " |")
+                             + " | ".join(fmt_ppl(r["perplexity"][p]["ppl"]) for p in sets) + f" | {_kl_cell(r)} |")
         for name in cfg.runs:
             d = runs.get((crit, name))
             if d is None:
-                lines.append(f"| {crit} | {labels[name]} | … | … | … | " + " | ".join("…" for _ in sets) + " |")
+                lines.append(f"| {crit} | {labels[name]} | … | … | … | " + " | ".join("…" for _ in sets) + " | … |")
                 continue
             lines.append(f"| {crit} | {d['label']} | {d['trainable_params']:,} | {100 * d['average']:.2f} | "
                          f"{_robust_cell(robust.get(f'{crit}/{name}'))} | "
-                         + " | ".join(fmt_ppl(d["perplexity"][p]["ppl"]) for p in sets) + " |")
+                         + " | ".join(fmt_ppl(d["perplexity"][p]["ppl"]) for p in sets) + f" | {_kl_cell(d)} |")
     write_text_atomic(out / "recovery.md", "\n".join(lines) + "\n")
     try:
         plot_curves(out, cfg, labels)
