@@ -65,13 +65,20 @@ def test_rows_are_read_from_both_grids_once_each(tmp_path):
     (tmp_path / "chk" / "m" / "x").mkdir(parents=True)
     (tmp_path / "chk" / "m" / "original.json").write_text(json.dumps(_run(None, "original", [], worse, None)))
     (tmp_path / "chk" / "m" / "x" / "lra.json").write_text(json.dumps(_run("x", "lra", [3], orig, 0.2)))
+    # the recovery table's layout (<criterion>/<run>.json, the model named inside; another model's runs skipped)
+    (tmp_path / "ft" / "x").mkdir(parents=True)
+    for m, run in (("m", "lra_lora_kd"), ("other", "lora")):
+        doc = {**_run("x", None, [3], orig, 0.1), "model": m, "run": run}
+        (tmp_path / "ft" / "x" / f"{run}.json").write_text(json.dumps(doc))
     cfg = RobustVsKLConfig(models=["m"], grids={"wiki": str(tmp_path / "wiki"), "mixed": str(tmp_path / "mixed")},
-                           checks={"10 %": str(tmp_path / "chk"), "gone": str(tmp_path / "nope")}, n_boot=50)
+                           checks={"10 %": str(tmp_path / "chk"), "gone": str(tmp_path / "nope"),
+                                   "ft": str(tmp_path / "ft")}, n_boot=50)
     rows, boot = grid_rows(cfg, "m")
-    assert sorted(r["row"] for r in rows) == ["10 %/x/lra", "mixed/x/lra", "wiki/x/lra", "wiki/x/pruned"]
+    assert sorted(r["row"] for r in rows) == ["10 %/x/lra", "ft/x/lra_lora_kd", "mixed/x/lra", "wiki/x/lra",
+                                              "wiki/x/pruned"]
     chk = next(r for r in rows if r["row"] == "10 %/x/lra")
     assert not chk["fitted"] and chk["robust"] == pytest.approx(1.0) and chk["robust_ci"][1] >= 1.0
-    assert sum(r["fitted"] for r in rows) == 3
+    assert sum(r["fitted"] for r in rows) == 3 and not next(r for r in rows if r["grid"] == "ft")["fitted"]
     by = {r["row"]: r for r in rows}
     assert by["wiki/x/lra"]["same_as"] == ["wiki/y/lra"] and by["wiki/x/lra"]["robust"] == pytest.approx(1.0)
     assert by["wiki/x/pruned"]["family"] == "pruned" and by["mixed/x/lra"]["family"] == "lra"

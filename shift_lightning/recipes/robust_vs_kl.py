@@ -56,10 +56,12 @@ class RobustVsKLConfig:
     models: list[str] = field(default_factory=lambda: ["smollm2-135m", "gemma3-270m"])
     grids: dict[str, str] = field(default_factory=lambda: {"wiki": "results/paper", "mixed": "results/paper_mixed"})
     """Calibration text → paper-grid folder (rows scored on the same docs)."""
-    checks: dict[str, str] = field(default_factory=lambda: {"10 %": "results/paper_r10"})
-    """Name → folder of rows measured outside the grids (another depth), scored on the same docs: they are
-    not fitted; the curve's prediction at their KL is put beside their measured Robust. A missing folder
-    is skipped."""
+    checks: dict[str, str] = field(default_factory=lambda: {"10 %": "results/paper_r10",
+                                                              "fine-tuned": "results/recovery"})
+    """Name → folder of rows measured outside the grids (another depth, fine-tuning), scored on the same docs:
+    they are not fitted; the curve's prediction at their KL is put beside their measured Robust. A paper-grid
+    layout (``<model>/<criterion>/<variant>.json``) or the recovery table's (``<criterion>/<run>.json``);
+    rows without closeness and missing folders are skipped."""
     sweep: str | None = "results/fidelity_sweep"
     """Folder of the closeness sweeps (``<model>.json``); ``null``: no predictions."""
     sweep_repairs: list[str] = field(default_factory=lambda: ["lra", "guarded"])
@@ -118,7 +120,9 @@ def grid_rows(cfg: RobustVsKLConfig, model: str) -> tuple[list[dict], object] | 
     folders = [(g, folder, True) for g, folder in cfg.grids.items()] + \
               [(c, folder, False) for c, folder in cfg.checks.items()]
     for g, folder, fitted in folders:
-        for (crit, v), r in load_runs(Path(folder) / key).items():
+        runs = load_runs(Path(folder) / key) if fitted or (Path(folder) / key).is_dir() else \
+            _recovery_runs(Path(folder), model)
+        for (crit, v), r in runs.items():
             if crit is None:
                 if fitted:  # the grids' original (a check folder's copy of it is not read)
                     named.setdefault("original", r)
@@ -148,6 +152,16 @@ def grid_rows(cfg: RobustVsKLConfig, model: str) -> tuple[list[dict], object] | 
             row["robust_ci"] = [float(np.quantile(samples, 0.025)), float(np.quantile(samples, 0.975))]
         rows.append(row)
     return rows, boot
+
+
+def _recovery_runs(folder: Path, model: str) -> dict[tuple, dict]:
+    """The recovery table's run files of ``model`` (``<criterion>/<run>.json``) as ``(criterion, run) -> run``."""
+    runs = {}
+    for f in sorted(folder.glob("*/*.json")):
+        d = json.loads(f.read_text())
+        if d.get("model") == model and "run" in d and "tasks" in d:
+            runs[(d["criterion"], d["run"])] = d
+    return runs
 
 
 def _run_config(cfg: RobustVsKLConfig, source: str | None) -> dict:
@@ -186,8 +200,10 @@ def analyse(cfg: RobustVsKLConfig, model: str) -> dict | None:
     if got is None:
         return None
     rows, boot = got
-    checks = [r for r in rows if not r.pop("fitted")]
-    rows = [r for r in rows if r not in checks]
+    checks = [r for r in rows if not r["fitted"]]
+    rows = [r for r in rows if r["fitted"]]
+    for r in rows + checks:
+        del r["fitted"]
     kl = np.array([r["kl"] for r in rows])
     rob = np.array([r["robust"] for r in rows])
     samples = np.stack([r.pop("_samples") for r in rows], axis=1)  # (B, n)
