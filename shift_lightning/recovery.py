@@ -88,7 +88,7 @@ class RecoveryConfig:
     """Seed of the data order and of dropout (reseeded per step, so resuming is exact)."""
     loss: Literal["nll", "kd"] = "nll"
     """``nll``: next-token NLL; ``kd``: the mean KL(original ‖ model) against the original's top ``kd_topk``
-    on every training window, recorded before pruning (windows × tokens × ``kd_topk`` × 12 bytes, logged)."""
+    on every training window read, recorded before pruning (windows × tokens × ``kd_topk`` × 12 bytes, logged)."""
     kd_topk: int = 64
     """``kd``: the original's most likely tokens kept per training position (the rest is one tail bucket)."""
     loss_chunk_tokens: int = 1024

@@ -49,6 +49,11 @@ class StepBatchSampler(Sampler[list[int]]):
         return self.total
 
 
+def visited(n: int, batch_size: int, rank: int, world: int, seed: int, total: int) -> list[int]:
+    """The sample indices rank ``rank`` reads in micro-batches ``0 … total−1`` (:class:`StepBatchSampler`)."""
+    return sorted({i for batch in StepBatchSampler(n, batch_size, rank, world, seed, total) for i in batch})
+
+
 class _StepLoader(DataLoader):
     """A DataLoader Lightning treats as resumable: its position is the trainer's step (see
     :class:`StepBatchSampler`), so the saved state only records it."""

@@ -311,3 +311,27 @@ def test_distillation_without_the_original_is_refused(calibrated):
         RecoveryModule(model, RecoveryConfig(loss="kd"))
     with pytest.raises(Exception, match="recovery.loss must be"):
         RecoveryConfig(loss="mse").validate()
+
+
+def test_distillation_on_one_and_two_processes_records_what_each_rank_reads(tmp_path):
+    """``loss: kd`` under DDP: each rank records the original's distributions on the windows it will read
+    (StepBatchSampler's stream) and 2 ranks of half the batch follow 1 process's loss trajectory."""
+    from shift_lightning.stepdata import StepBatchSampler, visited
+
+    # the windows a rank reads are exactly its sampler's, and the ranks together read the 1-process stream
+    one = visited(16, 4, 0, 1, seed=0, total=6)
+    two = [visited(16, 2, r, 2, seed=0, total=6) for r in (0, 1)]
+    assert set(one) == set(two[0]) | set(two[1])
+    assert set(two[1]) == {i for b in StepBatchSampler(16, 2, 1, 2, 0, 6) for i in b}
+    assert len(visited(16, 2, 0, 1, seed=0, total=3)) == 6  # a short run records only the windows it reads
+    common = ["--recovery.loss", "kd", "--recovery.kd_topk", "16", "--recovery.lora_dropout", "0",
+              "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--model.dtype", "float64",
+              "--save_peft", "false"]
+    _train_cli("--output_dir", str(tmp_path / "one"), "--trainer.logger.init_args.save_dir", str(tmp_path / "r1"),
+               *common)
+    _train_cli("--output_dir", str(tmp_path / "two"), "--trainer.logger.init_args.save_dir", str(tmp_path / "r2"),
+               "--train_data.batch_size", "2", *common, world=2)
+    r1 = json.loads((tmp_path / "one" / "recovery_report.json").read_text())
+    r2 = json.loads((tmp_path / "two" / "recovery_report.json").read_text())
+    assert (r1["world_size"], r2["world_size"], r1["steps"], r2["steps"]) == (1, 2, 3, 3)
+    assert_close(torch.tensor(r2["loss_history"]), torch.tensor(r1["loss_history"]), rtol=1e-9, atol=1e-9)

@@ -38,6 +38,7 @@ from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
 from ..reports import RecoveryReport
 from ..recovery import RecoveryConfig, RecoveryData, RecoveryModule
+from ..stepdata import visited
 from ..checkpoint import ShiftSpec, is_shift_folder, load_pretrained, read_shift_config
 from ..resume import (AtomicCheckpointIO, check_checkpoint_dir, check_run, clear_checkpoints, read_checkpoint,
                       resolve_resume, run_key, run_settings)
@@ -193,14 +194,17 @@ def run_training(
             w = build_windows(val, tokenizer, original.config.model_type, "--val")
             closeness["ref"] = window_references(original, w.input_ids, w.attention_mask, recovery.val_kl_topk,
                                                  val.batch_size)
-        if recovery.loss == "kd":
+        if recovery.loss == "kd":  # only the windows this rank will read in max_steps steps
             t = time.time()
             w = build_windows(train_data, tokenizer, original.config.model_type, "--train_data")
-            closeness["teacher"] = window_references(original, w.input_ids, w.attention_mask, recovery.kd_topk,
-                                                     train_data.batch_size)
-            log.info("kd: the original's top %d on %d training windows (%d positions, %.0f MB; %.0f s)",
-                     recovery.kd_topk, len(w), w.num_tokens, w.num_tokens * recovery.kd_topk * 12 / 2 ** 20,
-                     time.time() - t)
+            idx = visited(len(w), train_data.batch_size, trainer.global_rank, trainer.world_size, recovery.seed,
+                          max(int(trainer.max_steps), 0) * trainer.accumulate_grad_batches)
+            refs = window_references(original, w.input_ids[idx], w.attention_mask[idx], recovery.kd_topk,
+                                     train_data.batch_size)
+            closeness["teacher"] = {i: refs[j] for j, i in enumerate(idx)}
+            n = int(w.attention_mask[idx].sum())
+            log.info("kd: the original's top %d on the %d of %d training windows read (%d positions, %.0f MB; %.0f s)",
+                     recovery.kd_topk, len(idx), len(w), n, n * recovery.kd_topk * 12 / 2 ** 20, time.time() - t)
 
     if built is not None:
         lm, tokenizer, spec = built
