@@ -108,6 +108,15 @@ def _train_cli(*args, world=1, check=True):
     return r
 
 
+def _one_and_two_processes(tmp_path, common: list[str]) -> tuple[dict, dict]:
+    """train.py on 1 process (batch 4) and on 2 DDP processes (batch 2 each): their recovery reports."""
+    _train_cli("--output_dir", str(tmp_path / "one"), "--trainer.logger.init_args.save_dir", str(tmp_path / "r1"),
+               *common)
+    _train_cli("--output_dir", str(tmp_path / "two"), "--trainer.logger.init_args.save_dir", str(tmp_path / "r2"),
+               "--train_data.batch_size", "2", *common, world=2)
+    return tuple(json.loads((tmp_path / d / "recovery_report.json").read_text()) for d in ("one", "two"))
+
+
 def _scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     from shift_lightning.recipes.recovery_table import read_curves
 
@@ -119,12 +128,7 @@ def test_one_job_from_a_model_spec_one_and_two_processes(tmp_path):
     with half the batch each follow the same loss trajectory as 1 process."""
     common = ["--recovery.lora_dropout", "0", "--trainer.max_steps", "6", "--trainer.val_check_interval", "3",
               "--model.dtype", "float64"]  # float64: Adam does not amplify reduction-order rounding
-    _train_cli("--output_dir", str(tmp_path / "one"), "--trainer.logger.init_args.save_dir", str(tmp_path / "r1"),
-               *common)
-    _train_cli("--output_dir", str(tmp_path / "two"), "--trainer.logger.init_args.save_dir", str(tmp_path / "r2"),
-               "--train_data.batch_size", "2", *common, world=2)
-    r1 = json.loads((tmp_path / "one" / "recovery_report.json").read_text())
-    r2 = json.loads((tmp_path / "two" / "recovery_report.json").read_text())
+    r1, r2 = _one_and_two_processes(tmp_path, common)
     assert (r1["world_size"], r2["world_size"], r1["steps"], r2["steps"]) == (1, 2, 6, 6)
     assert r1["recovered"] and r1["pruned_layers"] == [2, 3]
     assert_close(torch.tensor(r2["loss_history"]), torch.tensor(r1["loss_history"]), rtol=1e-9, atol=1e-9)
@@ -327,11 +331,6 @@ def test_distillation_on_one_and_two_processes_records_what_each_rank_reads(tmp_
     common = ["--recovery.loss", "kd", "--recovery.kd_topk", "16", "--recovery.lora_dropout", "0",
               "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--model.dtype", "float64",
               "--save_peft", "false"]
-    _train_cli("--output_dir", str(tmp_path / "one"), "--trainer.logger.init_args.save_dir", str(tmp_path / "r1"),
-               *common)
-    _train_cli("--output_dir", str(tmp_path / "two"), "--trainer.logger.init_args.save_dir", str(tmp_path / "r2"),
-               "--train_data.batch_size", "2", *common, world=2)
-    r1 = json.loads((tmp_path / "one" / "recovery_report.json").read_text())
-    r2 = json.loads((tmp_path / "two" / "recovery_report.json").read_text())
+    r1, r2 = _one_and_two_processes(tmp_path, common)
     assert (r1["world_size"], r2["world_size"], r1["steps"], r2["steps"]) == (1, 2, 3, 3)
     assert_close(torch.tensor(r2["loss_history"]), torch.tensor(r1["loss_history"]), rtol=1e-9, atol=1e-9)
