@@ -174,7 +174,14 @@ def _run_config(cfg: RobustVsKLConfig, source: str | None) -> dict:
     return {}
 
 
-def sweep_predictions(cfg: RobustVsKLConfig, model: str, kappa: dict) -> list[dict]:
+def predicted(kl: float, fit: dict) -> dict:
+    """The Robust a fitted curve gives at ``kl``, with the interval from its refits' κ."""
+    f = CURVES[fit.get("curve", "hyperbolic")][0]
+    return {"predicted_robust": float(f(kl, fit["kappa"])),
+            "predicted_robust_ci": sorted(float(f(kl, x)) for x in fit["kappa_ci"])}
+
+
+def sweep_predictions(cfg: RobustVsKLConfig, model: str, fit: dict) -> list[dict]:
     """Per number of blocks removed: the closest repaired model of the closeness sweep and the Robust the
     curve predicts for it (with the interval from the refits)."""
     path = Path(cfg.sweep) / f"{model_key(model)}.json" if cfg.sweep else None
@@ -186,12 +193,10 @@ def sweep_predictions(cfg: RobustVsKLConfig, model: str, kappa: dict) -> list[di
     for n in sorted({p["blocks_removed"] for p in pts}):
         best = min((p for p in pts if p["blocks_removed"] == n), key=lambda p: p["kl"][cfg.kl_set])
         k = best["kl"][cfg.kl_set]
-        f = CURVES["hyperbolic"][0]
         grid = _run_config(cfg, best.get("source"))
         out.append({"blocks_removed": n, "ratio": best["ratio"], "criterion": best["criterion"],
                     "repair": best["repair"], "calibration": grid.get("calib_source") or grid.get("text_source"),
-                    "kl": k, "predicted_robust": float(f(k, kappa["point"])),
-                    "predicted_robust_ci": sorted(float(f(k, x)) for x in kappa["ci"])})
+                    "kl": k, **predicted(k, fit)})
     return out
 
 
@@ -223,11 +228,9 @@ def analyse(cfg: RobustVsKLConfig, model: str) -> dict | None:
                       "kl_at_goal": float(at(k0, cfg.goal)), "kl_at_goal_ci": [float(at(x, cfg.goal)) for x in kci],
                       "rmse": float(np.sqrt(((rob[m] - f(kl[m], k0)) ** 2).mean()))}
     h = fits["hyperbolic"]
-    f = CURVES["hyperbolic"][0]
     for c in checks:
         c.pop("_samples")
-        c["predicted_robust"] = float(f(c["kl"], h["kappa"]))
-        c["predicted_robust_ci"] = sorted(float(f(c["kl"], x)) for x in h["kappa_ci"])
+        c.update(predicted(c["kl"], h))
     lra = [r for r in rows if r["family"] == "lra"]
     closest = min(lra, key=lambda r: r["kl"]) if lra else None
     best = max(lra, key=lambda r: r["robust"]) if lra else None
@@ -236,7 +239,7 @@ def analyse(cfg: RobustVsKLConfig, model: str) -> dict | None:
             "spearman": spearman(kl, rob), "fits": fits,
             "closest_repair": closest, "best_robust_repair": best,
             "goal_kl_reached_by": [r["row"] for r in rows if r["kl"] <= h["kl_at_goal"]],
-            "sweep": sweep_predictions(cfg, model, {"point": h["kappa"], "ci": h["kappa_ci"]}), "checks": checks,
+            "sweep": sweep_predictions(cfg, model, h), "checks": checks,
             "points": sorted(rows, key=lambda r: r["kl"])}
 
 
