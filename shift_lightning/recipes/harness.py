@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -167,7 +168,7 @@ def save_reference(evaluator: Evaluator, path: Path) -> None:
     for (name, i), ref in evaluator.reference.items():
         tensors[f"{name}\t{i}\tindex"], tensors[f"{name}\t{i}\tlogp"] = ref.index.contiguous(), ref.logp.contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
+    tmp = path.with_name(f"{path.name}.part-{os.getpid()}")  # grid processes started together may race here
     save_file(tensors, str(tmp))
     tmp.replace(path)
 
