@@ -10,6 +10,7 @@
 #   bash benchmarks/headline_gpu.sh --tiny    # the same steps on CPU, tiny shape, in a minute
 #                                             # (what tests/test_benchmarks.py runs)
 #   OUT=/some/dir PYTHON=/path/to/python DATA=<text source> bash benchmarks/headline_gpu.sh
+#   BENCH=0 bash benchmarks/headline_gpu.sh   # the headline job and its check only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -63,5 +64,7 @@ step headline_train "${CMD[@]}"
 TRAIN_S=$((SECONDS - T0))
 step headline_check "$PY" benchmarks/headline_check.py --model_dir "$OUT/headline_model" --tb "$OUT/tb/headline" \
     --train_seconds "$TRAIN_S" --command "${CMD[*]}" --out "$OUT/headline.json"
-step benchmarks env OUT="$OUT" PYTHON="$PY" bash benchmarks/gpu.sh "${GPU_ARGS[@]}"
+if [[ "${BENCH:-1}" == 1 ]]; then  # BENCH=0: the headline job alone (e.g. while the GPU is shared, when timings mean little)
+  step benchmarks env OUT="$OUT" PYTHON="$PY" bash benchmarks/gpu.sh "${GPU_ARGS[@]}"
+fi
 echo "JSON and TensorBoard events in $OUT/"
