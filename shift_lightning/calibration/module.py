@@ -315,7 +315,7 @@ class CalibrationModule(DataPass):
                     m = self.span_map(name, span)
                     if m.branch is not None and st.branch is not None:
                         T = m.branch.to(torch.float64)
-                        err = st.branch.relative_error(T.T - eye.to(T), torch.zeros(self.dim, dtype=torch.float64, device=T.device))
+                        err = st.branch.relative_error(T.T - eye.to(T), T.new_zeros(self.dim))
                     elif m.adapter is not None:
                         M, c = as_affine(m.adapter)
                         err = st.io.relative_error(M - eye.to(M), c)
