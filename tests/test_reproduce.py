@@ -104,7 +104,7 @@ def test_recovery_table_runs_resumes_and_plots_on_a_tiny_model(tmp_path):
     assert all(r["steps"] == 4 and 0 < r["avg"] <= 1 for r in table["rows"])
     assert all("robust" in r and len(r["robust_ci"]) == 2 for r in table["rows"])  # against the grid's original
     md = (out / "recovery.md").read_text()
-    assert "pruned + LRA (trained) + LoRA" in md and "pruned + LRA (no training; results/paper)" in md
+    assert "pruned + LRA (trained) + LoRA" in md and f"pruned + LRA (no training; {grid.out})" in md
     assert (out / "curves.png").exists()
     curve = read_curves(out / "tb" / "reverse_star" / "lora")
     assert [s for s, _ in curve["zeroshot/avg"]] == [0, 2, 4] and [s for s, _ in curve["val/ppl"]] == [0, 2, 4]
@@ -115,6 +115,40 @@ def test_recovery_table_runs_resumes_and_plots_on_a_tiny_model(tmp_path):
     assert (out / "reverse_star" / "lora.json").stat().st_mtime_ns == stamp
     redone = read_curves(out / "tb" / "reverse_star" / "lra_trained_lora")
     assert [s for s, _ in redone["val/ppl"]] == [0, 2, 4]
+
+
+def test_recovery_table_starts_from_the_chosen_repair_and_trains_on_the_chosen_text(tmp_path):
+    """``--repair lra_span``: the distilled run starts from one LRA over the whole contiguous span (not the
+    merged per-block LRAs: a different starting model, seen in val/ppl at step 0), is labelled and recorded
+    so, and the table's reference row is the grid's ``lra_span`` row; ``--train_source`` names the
+    training text; an unknown repair fails before any work."""
+    from shift_lightning.errors import ConfigError
+    from shift_lightning.recipes.recovery_table import RecoveryTableConfig, read_curves, run
+    from shift_lightning.recipes.reproduce import ReproduceConfig
+    from shift_lightning.recipes.reproduce import run as run_grid
+
+    grid = ReproduceConfig(model="tiny", tiny={"family": "llama", "num_hidden_layers": 8, "max_position_embeddings": 512},
+                           calib_samples=6, seq_len=64, select_samples=4, select_seq_len=32, heldout_samples=3, docs=4,
+                           ppl_windows=2, text_source=str(ROOT / "tests" / "data" / "tiny_corpus.txt"),
+                           eval_data_dir=str(ROOT / "tests" / "data" / "eval_tiny"),
+                           ppl_sets=[str(ROOT / "tests" / "data" / "tiny_heldout.txt")], out=str(tmp_path / "paper"))
+    run_grid(ReproduceConfig(**{**grid.__dict__, "criteria": ["reverse_star"], "variants": ["pruned", "lra_span"]}))
+    common = dict(model="tiny", criteria=["reverse_star"], runs=["lra_lora_kd"], steps=2, batch_size=2, seq_len=32,
+                  train_samples=4, val_samples=2, val_every=2, curve_docs=2, lora_r=2, grid=grid)
+    with pytest.raises(ConfigError, match="--repair 'lra_spam'.*lra_span"):
+        run(RecoveryTableConfig(**common, repair="lra_spam", out=str(tmp_path / "bad")))
+    assert not (tmp_path / "bad").exists()
+    per_block = run(RecoveryTableConfig(**common, out=str(tmp_path / "lra")))
+    span = run(RecoveryTableConfig(**common, repair="lra_span", out=str(tmp_path / "span"),
+                                   train_source=str(ROOT / "tests" / "data" / "tiny_heldout.txt")))
+    doc = json.loads((span / "reverse_star" / "lra_lora_kd.json").read_text())
+    assert doc["repair"] == "lra_span" and "lra_span (frozen)" in doc["label"]
+    assert json.loads((per_block / "reverse_star" / "lra_lora_kd.json").read_text())["repair"] == "lra"
+    start = {k: read_curves(o / "tb" / "reverse_star" / "lra_lora_kd")["val/ppl"][0] for k, o in
+             (("lra", per_block), ("span", span))}
+    assert start["lra"][0] == start["span"][0] == 0 and start["lra"][1] != pytest.approx(start["span"][1], rel=1e-6)
+    md = (span / "recovery.md").read_text()
+    assert f"pruned + lra_span (no training; {grid.out})" in md and "tokens of tiny_heldout.txt" in md
 
 
 def _tiny_grid(tmp_path, **kw):

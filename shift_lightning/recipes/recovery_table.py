@@ -34,9 +34,10 @@ from pathlib import Path
 
 import lightning as L
 
-from ..calibration import CalibrationConfig, CalibrationModule
+from ..calibration import SOLVERS, CalibrationConfig, CalibrationModule
 from ..criteria import PruneConfig
 from ..data import TextDataConfig
+from ..errors import ConfigError
 from ..evaluation.runner import EvalConfig
 from ..recovery import RecoveryConfig
 from ..selection import select_blocks
@@ -68,6 +69,13 @@ class RecoveryTableConfig:
     """The model to prune (embedded name, HF id or folder)."""
     criteria: list[str] = field(default_factory=lambda: ["reverse_star", "angular"])
     """Layer-selection criteria (one positional, one data-driven)."""
+    repair: str = "lra"
+    """The closed-form map of the ``lra*`` runs: a repair variant of the paper grid (``lra``: one LRA per block,
+    merged; ``lra_span``: one LRA per contiguous span; ``guarded``, …), fitted as the grid fits it (on
+    ``grid.calib_source``'s windows, the grid's damping)."""
+    train_source: str | None = None
+    """Training text (its calibration split, seed 1; default: ``grid.text_source``, wiki-summaries), e.g.
+    ``mixed``. Never an evaluated split: ``heldout`` windows stay for ``val/ppl``."""
     runs: list[str] = field(default_factory=lambda: list(RUNS))
     """Which rows to run."""
     ratio: float = 0.25
@@ -79,7 +87,7 @@ class RecoveryTableConfig:
     seq_len: int = 256
     """Tokens per training window."""
     train_samples: int = 512
-    """Training windows (wiki-summaries calibration split, seed 1; disjoint from the held-out split)."""
+    """Training windows (``train_source``'s calibration split, seed 1; disjoint from the held-out split)."""
     lr: float = 5e-4
     """LoRA learning rate (partial-layer FT uses a tenth)."""
     lra_lr: float = 5e-5
@@ -103,11 +111,27 @@ class RecoveryTableConfig:
     windows (the table uses the same docs as results/paper)."""
 
 
+def labels(repair: str = "lra") -> dict[str, str]:
+    """Run -> label, naming the map when it is not the per-block LRA."""
+    return LABELS if repair == "lra" else {k: v.replace("LRA", f"{repair}") for k, v in LABELS.items()}
+
+
+def validate(cfg: RecoveryTableConfig) -> None:
+    if cfg.repair not in SOLVERS:
+        raise ConfigError(f"--repair {cfg.repair!r} is not a repair the paper grid fits; use one of "
+                          f"{', '.join(SOLVERS)}")
+    unknown = [r for r in cfg.runs if r not in RUNS]
+    if unknown:
+        raise ConfigError(f"--runs: unknown run(s) {unknown}; use any of {', '.join(RUNS)}")
+
+
 def run(cfg: RecoveryTableConfig) -> Path:
+    validate(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    names = labels(cfg.repair)
     if cfg.render_only:
-        tables.render(out, cfg, LABELS)
+        tables.render(out, cfg, names)
         return out
     g = cfg.grid
     ctx = harness.open_grid(cfg.model, g.tiny, "cpu", lambda v, d: eval_config(g, v, d),
@@ -116,7 +140,7 @@ def run(cfg: RecoveryTableConfig) -> Path:
     base, tokenizer = ctx.model, ctx.tokenizer
     curve = EvalConfig(tasks=ctx.eval_config.tasks, limit=cfg.curve_docs, sample_seed=g.sample_seed, progress=False,
                        max_batch_tokens=ctx.eval_config.max_batch_tokens, data_dir=g.eval_data_dir)
-    train_data = TextDataConfig(source=g.text_source, num_samples=cfg.train_samples, seq_len=cfg.seq_len, seed=1,
+    train_data = TextDataConfig(source=cfg.train_source or g.text_source, num_samples=cfg.train_samples, seq_len=cfg.seq_len, seed=1,
                                 batch_size=cfg.batch_size)
     val = TextDataConfig(source=g.text_source, split="heldout", num_samples=cfg.val_samples, seq_len=g.seq_len)
     runs = harness.RunFolder(out)
@@ -127,9 +151,13 @@ def run(cfg: RecoveryTableConfig) -> Path:
         windows = ctx.windows(g.select_samples, g.select_seq_len)
         layers = select_blocks(PruneConfig(ratio=cfg.ratio, criterion=crit), base, windows, ctx.make_trainer).layers
         n = ctx.num_layers
-        module = CalibrationModule(copy.deepcopy(base), layers, CalibrationConfig(damping=g.damping))
-        module.calibrate(ctx.make_trainer(), ctx.windows(g.calib_samples, g.seq_len), batch_size=4)
-        correction = module.correction("lra")
+        module = CalibrationModule(copy.deepcopy(base), layers,
+                                   CalibrationConfig(damping=g.damping, guard_every=g.guard_every,
+                                                     mode=SOLVERS[cfg.repair].mode or "independent"),
+                                   solvers=[cfg.repair])
+        module.calibrate(ctx.make_trainer(), ctx.windows(g.calib_samples, g.seq_len, source=g.calib_source),
+                         ctx.windows(g.heldout_samples, g.seq_len, split="heldout"), batch_size=4)
+        correction = module.correction(cfg.repair)
         for run_name in todo:
             name = run_name.split("/")[1]
             if runs.done(run_name):  # finished meanwhile by another process (--runs split)
@@ -140,7 +168,7 @@ def run(cfg: RecoveryTableConfig) -> Path:
             if with_lra:
                 apply_correction(model, correction, n, layers)
             spec = {"original_num_layers": n, "pruned_layers": layers, "criterion": crit,
-                    "correction": "lra" if with_lra else "none"}
+                    "correction": cfg.repair if with_lra else "none"}
             rec = RecoveryConfig(method=method, train_lra=train_lra, lora_r=cfg.lora_r, loss=loss,
                                  lr=cfg.lr if method == "lora" else cfg.lr / 10, lra_lr=cfg.lra_lr,
                                  warmup_steps=max(cfg.steps // 20, 1), seed=cfg.seed)
@@ -163,7 +191,7 @@ def run(cfg: RecoveryTableConfig) -> Path:
             t1 = time.time()
             merged = result.module.merged_model().eval()
             res = ctx.evaluate(merged)
-            doc = {"model": cfg.model, "criterion": crit, "run": name, "label": LABELS[name], "pruned_layers": layers,
+            doc = {"model": cfg.model, "criterion": crit, "run": name, "label": names[name], "repair": cfg.repair if with_lra else None, "pruned_layers": layers,
                    "recovery": asdict(rec), "steps": result.report.steps,
                    "trainable_params": result.report.trainable_params,
                    "loss_history": result.report.loss_history, **harness.row_doc(res),
@@ -172,8 +200,8 @@ def run(cfg: RecoveryTableConfig) -> Path:
             runs.write(run_name, doc)
             log.info("%s %s: avg %.2f, wiki PPL %.3f (train %.0f s)", crit, name, 100 * res["average"],
                      res["perplexity"][g.ppl_sets[0]]["ppl"], t1 - t0)
-            tables.render(out, cfg, LABELS)
-    tables.render(out, cfg, LABELS)
+            tables.render(out, cfg, names)
+    tables.render(out, cfg, names)
     return out
 
 
@@ -184,7 +212,7 @@ def rerun_command(cfg: RecoveryTableConfig) -> str:
 
 
 def render(out: Path, cfg: RecoveryTableConfig) -> None:
-    tables.render(out, cfg, LABELS)
+    tables.render(out, cfg, labels(cfg.repair))
 
 
 def main(argv: list[str] | None = None):

@@ -23,6 +23,10 @@ def _kl_cell(run: dict) -> str:
     return " / ".join(fmt_kl(v) for v in kl.values()) if kl else "–"
 
 
+#: Training text -> how the table's header names it.
+TEXT_LABELS = {"wiki_summaries": "wiki-summaries", "mixed": "mixed-domain text (wiki-summaries, CoQA stories, QA pairs)"}
+
+
 def render(out: Path, cfg, labels: dict[str, str]) -> None:
     """``recovery.{json,md}`` and ``curves.png`` from the runs on disk; ``cfg``: the table's config
     (model, criteria, runs, steps, …, and ``grid``, the paper grid's settings); ``labels``: run -> label."""
@@ -31,8 +35,9 @@ def render(out: Path, cfg, labels: dict[str, str]) -> None:
         return
     paper = Path(cfg.grid.out) / Path(cfg.model).name
     ref = {}
+    repair = getattr(cfg, "repair", "lra")
     for crit in cfg.criteria:  # the untrained rows of the paper grid, same docs: the starting points
-        for v in ("pruned", "lra"):
+        for v in ("pruned", repair):
             f = paper / crit / f"{v}.json"
             if f.exists():
                 ref[(crit, v)] = json.loads(f.read_text())
@@ -49,10 +54,11 @@ def render(out: Path, cfg, labels: dict[str, str]) -> None:
                                                   p: e["ppl"] for p, e in r["perplexity"].items()}}
                                                   for (c, v), r in ref.items()}})
     any_run = next(iter(runs.values()))
+    src = getattr(cfg, "train_source", None) or cfg.grid.text_source
     sets = list(any_run["perplexity"])
     lines = [f"# Fine-tuning after pruning: {cfg.model}, {int(100 * cfg.ratio)}% depth pruning", "",
-             f"Every run: {cfg.steps} steps × {cfg.batch_size} windows × {cfg.seq_len} tokens of wiki-summaries "
-             f"(calibration split, seed 1), the same order (seed {cfg.seed}); LoRA r={cfg.lora_r} on attention + MLP at "
+             f"Every run: {cfg.steps} steps × {cfg.batch_size} windows × {cfg.seq_len} tokens of "
+             f"{TEXT_LABELS.get(src) or Path(src).name} (calibration split, seed 1), the same order (seed {cfg.seed}); LoRA r={cfg.lora_r} on attention + MLP at "
              f"lr {cfg.lr:g}, partial-layer FT at lr {cfg.lr / 10:g} on the block after each pruning site, a trained "
              f"LRA at lr {cfg.lra_lr:g}; warm-up then cosine. Zero-shot avg on the results tables' "
              f"{cfg.grid.docs} seeded docs per task (7 tasks); **Robust**: the share of the original's above-chance accuracy "
@@ -64,7 +70,8 @@ def render(out: Path, cfg, labels: dict[str, str]) -> None:
              "| criterion | run | trainable params | Avg | Robust | " + " | ".join(f"{set_label(p)} PPL" for p in sets)
              + " | KL wiki / LAMBADA / tasks |", "|---|---|---:|---:|---:|" + "---:|" * len(sets) + "---:|"]
     for crit in cfg.criteria:
-        for v, label in (("pruned", "pruned (no training; results/paper)"), ("lra", "pruned + LRA (no training; results/paper)")):
+        for v, label in (("pruned", f"pruned (no training; {cfg.grid.out})"),
+                         (repair, f"pruned + {'LRA' if repair == 'lra' else repair} (no training; {cfg.grid.out})")):
             r = ref.get((crit, v))
             if r:
                 lines.append(f"| {crit} | {label} | 0 | {100 * r['average']:.2f} | "
