@@ -149,6 +149,12 @@ def test_recovery_table_starts_from_the_chosen_repair_and_trains_on_the_chosen_t
     assert start["lra"][0] == start["span"][0] == 0 and start["lra"][1] != pytest.approx(start["span"][1], rel=1e-6)
     md = (span / "recovery.md").read_text()
     assert f"pruned + lra_span (no training; {grid.out})" in md and "tokens of tiny_heldout.txt" in md
+    assert "Command: `" in md and "--repair lra_span" in md
+    # a second process adds a run to the folder: the table lists both commands
+    run(RecoveryTableConfig(**{**common, "runs": ["lora_kd"]}, repair="lra_span", out=str(span),
+                            train_source=str(ROOT / "tests" / "data" / "tiny_heldout.txt")))
+    md = (span / "recovery.md").read_text()
+    assert "Commands (one process each)" in md and '--runs ["lra_lora_kd"]' in md and '--runs ["lora_kd"]' in md
 
 
 def _tiny_grid(tmp_path, **kw):

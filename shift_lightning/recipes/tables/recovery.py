@@ -66,7 +66,7 @@ def render(out: Path, cfg, labels: dict[str, str]) -> None:
              "KL(original ‖ model) on the paper grid's closeness sets (wiki / LAMBADA / tasks' prompts; – : a run "
              "made before closeness was measured).",
              "",
-             f"Command: `{any_run['command']}`", "",
+             _commands(runs), "",
              "| criterion | run | trainable params | Avg | Robust | " + " | ".join(f"{set_label(p)} PPL" for p in sets)
              + " | KL wiki / LAMBADA / tasks |", "|---|---|---:|---:|---:|" + "---:|" * len(sets) + "---:|"]
     for crit in cfg.criteria:
@@ -90,6 +90,14 @@ def render(out: Path, cfg, labels: dict[str, str]) -> None:
         plot_curves(out, cfg, labels)
     except ImportError:
         log.warning("matplotlib not installed: no curves plot")
+
+
+def _commands(runs: dict) -> str:
+    """The commands that made the runs on disk (one per process when the runs were split with ``--runs``)."""
+    cmds = list(dict.fromkeys(d["command"] for d in runs.values()))
+    if len(cmds) == 1:
+        return f"Command: `{cmds[0]}`"
+    return "Commands (one process each):\n\n" + "\n".join(f"- `{c}`" for c in cmds)
 
 
 def _robust(paper: Path, runs: dict, ref: dict) -> dict[str, dict]:
