@@ -151,10 +151,13 @@ def test_recovery_table_starts_from_the_chosen_repair_and_trains_on_the_chosen_t
     assert f"pruned + lra_span (no training; {grid.out})" in md and "tokens of tiny_heldout.txt" in md
     assert "Command: `" in md and "--repair lra_span" in md
     # a second process adds a run to the folder: the table lists both commands
-    run(RecoveryTableConfig(**{**common, "runs": ["lora_kd"]}, repair="lra_span", out=str(span),
+    run(RecoveryTableConfig(**{**common, "runs": ["lra_trained_lora_kd"]}, repair="lra_span", out=str(span),
                             train_source=str(ROOT / "tests" / "data" / "tiny_heldout.txt")))
     md = (span / "recovery.md").read_text()
-    assert "Commands (one process each)" in md and '--runs ["lra_lora_kd"]' in md and '--runs ["lora_kd"]' in md
+    assert "Commands (one process each)" in md and '--runs ["lra_lora_kd"]' in md and '--runs ["lra_trained_lora_kd"]' in md
+    trained = json.loads((span / "reverse_star" / "lra_trained_lora_kd.json").read_text())  # the span LRA trained too
+    assert trained["recovery"]["train_lra"] and trained["recovery"]["loss"] == "kd"
+    assert trained["trainable_params"] > doc["trainable_params"] and "lra_span (trained)" in trained["label"]
 
 
 def _tiny_grid(tmp_path, **kw):

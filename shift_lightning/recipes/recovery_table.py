@@ -13,6 +13,7 @@ For each criterion, five runs with the same data, steps and seed:
     pruned + LRA + partial FT the frozen LRA in place, the same blocks trained
     pruned + LoRA (KD)        as "pruned + LoRA", distilled: KL(original ‖ model) as the loss
     pruned + LRA + LoRA (KD)  as "pruned + LRA + LoRA", distilled
+    pruned + LRA* + LoRA (KD) as "pruned + LRA* + LoRA", distilled (opt-in: ``--runs '[lra_trained_lora_kd]'``)
     ========================  =========================================================
 
 Each run logs to TensorBoard (``<out>/tb/<criterion>/<run>``: ``val/ppl`` and ``zeroshot/avg`` on a
@@ -54,11 +55,14 @@ log = logging.getLogger(__name__)
 RUNS = {"lora": (False, False, "lora", "nll"), "lra_lora": (True, False, "lora", "nll"),
         "lra_trained_lora": (True, True, "lora", "nll"), "partial": (False, False, "partial", "nll"),
         "lra_partial": (True, False, "partial", "nll"), "lora_kd": (False, False, "lora", "kd"),
-        "lra_lora_kd": (True, False, "lora", "kd")}
+        "lra_lora_kd": (True, False, "lora", "kd"), "lra_trained_lora_kd": (True, True, "lora", "kd")}
+#: The runs of the table by default (``lra_trained_lora_kd`` is opt-in).
+DEFAULT_RUNS = tuple(r for r in RUNS if r != "lra_trained_lora_kd")
 LABELS = {"lora": "pruned + LoRA", "lra_lora": "pruned + LRA (frozen) + LoRA",
           "lra_trained_lora": "pruned + LRA (trained) + LoRA", "partial": "pruned + partial-layer FT",
           "lra_partial": "pruned + LRA (frozen) + partial-layer FT", "lora_kd": "pruned + LoRA, distilled (KD)",
-          "lra_lora_kd": "pruned + LRA (frozen) + LoRA, distilled (KD)"}
+          "lra_lora_kd": "pruned + LRA (frozen) + LoRA, distilled (KD)",
+          "lra_trained_lora_kd": "pruned + LRA (trained) + LoRA, distilled (KD)"}
 
 
 @dataclass
@@ -76,8 +80,8 @@ class RecoveryTableConfig:
     train_source: str | None = None
     """Training text (its calibration split, seed 1; default: ``grid.text_source``, wiki-summaries), e.g.
     ``mixed``. Never an evaluated split: ``heldout`` windows stay for ``val/ppl``."""
-    runs: list[str] = field(default_factory=lambda: list(RUNS))
-    """Which rows to run."""
+    runs: list[str] = field(default_factory=lambda: list(DEFAULT_RUNS))
+    """Which rows to run (any of :data:`RUNS`; ``lra_trained_lora_kd`` is not among the defaults)."""
     ratio: float = 0.25
     """Depth-pruning ratio."""
     steps: int = 100
