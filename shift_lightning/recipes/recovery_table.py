@@ -34,11 +34,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from ..calibration import SOLVERS, CalibrationConfig, CalibrationModule
 from ..criteria import PruneConfig
 from ..data import TextDataConfig
 from ..errors import ConfigError
+from ..evaluation.callbacks import ZeroShotAccuracy
 from ..evaluation.runner import EvalConfig
 from ..recovery import RecoveryConfig
 from ..selection import select_blocks
@@ -176,10 +178,6 @@ def run(cfg: RecoveryTableConfig) -> Path:
             rec = RecoveryConfig(method=method, train_lra=train_lra, lora_r=cfg.lora_r, loss=loss,
                                  lr=cfg.lr if method == "lora" else cfg.lr / 10, lra_lr=cfg.lra_lr,
                                  warmup_steps=max(cfg.steps // 20, 1), seed=cfg.seed)
-            from lightning.pytorch.loggers import TensorBoardLogger
-
-            from ..evaluation.callbacks import ZeroShotAccuracy
-
             stale = out / "tb" / crit / name  # events of an earlier, interrupted attempt would mix into the curves
             if stale.exists():
                 shutil.rmtree(stale)
