@@ -132,7 +132,10 @@ def test_recovery_table_starts_from_the_chosen_repair_and_trains_on_the_chosen_t
                            ppl_windows=2, text_source=str(ROOT / "tests" / "data" / "tiny_corpus.txt"),
                            eval_data_dir=str(ROOT / "tests" / "data" / "eval_tiny"),
                            ppl_sets=[str(ROOT / "tests" / "data" / "tiny_heldout.txt")], out=str(tmp_path / "paper"))
-    run_grid(ReproduceConfig(**{**grid.__dict__, "criteria": ["reverse_star"], "variants": ["pruned", "lra_span"]}))
+    run_grid(ReproduceConfig(**{**grid.__dict__, "criteria": ["reverse_star"], "variants": ["pruned"]}))
+    # the repair's rows in a grid of their own (as a refitted grid is), pruning alone read from the first
+    grid = replace(grid, out=str(tmp_path / "paper_span"), pruned_from=str(tmp_path / "paper"))
+    run_grid(ReproduceConfig(**{**grid.__dict__, "criteria": ["reverse_star"], "variants": ["lra_span"]}))
     common = dict(model="tiny", criteria=["reverse_star"], runs=["lra_lora_kd"], steps=2, batch_size=2, seq_len=32,
                   train_samples=4, val_samples=2, val_every=2, curve_docs=2, lora_r=2, grid=grid)
     with pytest.raises(ConfigError, match="--repair 'lra_spam'.*lra_span"):
@@ -149,7 +152,10 @@ def test_recovery_table_starts_from_the_chosen_repair_and_trains_on_the_chosen_t
     assert start["lra"][0] == start["span"][0] == 0 and start["lra"][1] != pytest.approx(start["span"][1], rel=1e-6)
     md = (span / "recovery.md").read_text()
     assert f"pruned + lra_span (no training; {grid.out})" in md and "tokens of tiny_heldout.txt" in md
+    assert f"pruned (no training; {tmp_path / 'paper'})" in md
     assert "Command: `" in md and "--repair lra_span" in md
+    # the command reproduces the run: the grid's settings too
+    assert "--grid.calib_samples 6" in doc["command"] and f"--grid.out {grid.out}" in doc["command"]
     # a second process adds a run to the folder: the table lists both commands
     run(RecoveryTableConfig(**{**common, "runs": ["lra_trained_lora_kd"]}, repair="lra_span", out=str(span),
                             train_source=str(ROOT / "tests" / "data" / "tiny_heldout.txt")))

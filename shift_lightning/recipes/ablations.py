@@ -279,7 +279,7 @@ def _run_criterion(cfg: AblationConfig, ctx: harness.GridContext, runs: harness.
 def rerun_command(cfg: AblationConfig) -> str:
     from .cli import rerun_command as command
 
-    return command("shift_lightning.recipes.ablations", cfg, skip=("out", "render_only", "grid", "fill"))
+    return command("shift_lightning.recipes.ablations", cfg, skip=("out", "render_only", "fill"))
 
 
 def render(folder: Path, cfg: AblationConfig) -> None:

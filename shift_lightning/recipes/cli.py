@@ -417,20 +417,27 @@ def train_main(argv: list[str] | None = None):
 # Recipes driven by one dataclass (python -m shift_lightning.recipes.<name>)
 # --------------------------------------------------------------------------------------------
 def rerun_command(module: str, cfg, always: tuple[str, ...] = ("model",),
-                  skip: tuple[str, ...] = ("out", "render_only", "grid")) -> str:
+                  skip: tuple[str, ...] = ("out", "render_only")) -> str:
     """The command that reproduces ``cfg``: the options that differ from the defaults (plus
-    ``always``); where the files went is not part of the result."""
+    ``always``); where the files went is not part of the result. A nested settings dataclass (a recipe's
+    ``grid``) gives its own differing options as ``--grid.<option>`` (its ``out`` too: there it is where
+    the recipe reads the grid's rows)."""
     import dataclasses
     import json
 
-    default = type(cfg)()
-    parts = [f"python -m {module}"]
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if f.name in skip or (v == getattr(default, f.name) and f.name not in always):
-            continue
-        parts.append(f"--{f.name} {v if isinstance(v, str) else json.dumps(v)}")
-    return " ".join(parts)
+    def options(obj, default, prefix: str, skipped: tuple[str, ...]) -> list[str]:
+        out = []
+        for f in dataclasses.fields(obj):
+            v, d = getattr(obj, f.name), getattr(default, f.name)
+            if f.name in skipped:
+                continue
+            if dataclasses.is_dataclass(v) and not isinstance(v, type):
+                out += options(v, d if type(d) is type(v) else type(v)(), f"{prefix}{f.name}.", ("render_only", "fill"))
+            elif v != d or (not prefix and f.name in always):
+                out.append(f"--{prefix}{f.name} {v if isinstance(v, str) else json.dumps(v)}")
+        return out
+
+    return " ".join([f"python -m {module}", *options(cfg, type(cfg)(), "", skip)])
 
 
 def dataclass_parser(cfg_cls, description: str):

@@ -36,11 +36,18 @@ def render(out: Path, cfg, labels: dict[str, str]) -> None:
     paper = Path(cfg.grid.out) / Path(cfg.model).name
     ref = {}
     repair = getattr(cfg, "repair", "lra")
-    for crit in cfg.criteria:  # the untrained rows of the paper grid, same docs: the starting points
+    # the untrained rows of the paper grid, same docs: the starting points; pruning alone from the grid's
+    # ``pruned_from`` where it ran none (a grid refitted on another calibration text)
+    pruned_from = getattr(cfg.grid, "pruned_from", None)
+    home = {}
+    for crit in cfg.criteria:
         for v in ("pruned", repair):
-            f = paper / crit / f"{v}.json"
-            if f.exists():
-                ref[(crit, v)] = json.loads(f.read_text())
+            for folder in (paper, *([Path(pruned_from) / paper.name] if v == "pruned" and pruned_from else [])):
+                f = folder / crit / f"{v}.json"
+                if f.exists():
+                    ref[(crit, v)] = json.loads(f.read_text())
+                    home[(crit, v)] = folder.parent
+                    break
     robust = _robust(paper, runs, ref)
     rows = []
     for (crit, name), d in runs.items():
@@ -70,10 +77,11 @@ def render(out: Path, cfg, labels: dict[str, str]) -> None:
              "| criterion | run | trainable params | Avg | Robust | " + " | ".join(f"{set_label(p)} PPL" for p in sets)
              + " | KL wiki / LAMBADA / tasks |", "|---|---|---:|---:|---:|" + "---:|" * len(sets) + "---:|"]
     for crit in cfg.criteria:
-        for v, label in (("pruned", f"pruned (no training; {cfg.grid.out})"),
-                         (repair, f"pruned + {'LRA' if repair == 'lra' else repair} (no training; {cfg.grid.out})")):
+        for v, label in (("pruned", "pruned (no training; {})"),
+                         (repair, f"pruned + {'LRA' if repair == 'lra' else repair} (no training; {{}})")):
             r = ref.get((crit, v))
             if r:
+                label = label.format(home[(crit, v)])
                 lines.append(f"| {crit} | {label} | 0 | {100 * r['average']:.2f} | "
                              f"{_robust_cell(robust.get(f'paper:{crit}/{v}'))} | "
                              + " | ".join(fmt_ppl(r["perplexity"][p]["ppl"]) for p in sets) + f" | {_kl_cell(r)} |")
