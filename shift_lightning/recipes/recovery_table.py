@@ -3,7 +3,14 @@
     python -m shift_lightning.recipes.recovery_table                 # SmolLM2-135M, 25%, two criteria
     python -m shift_lightning.recipes.recovery_table --render_only
 
-For each criterion, five runs with the same data, steps and seed:
+Distilling from another map on another text (the span LRA fitted on mixed text, trained on mixed text;
+``--grid.*``: the paper grid's settings, here its mixed-text refit):
+
+    python -m shift_lightning.recipes.recovery_table --criteria '[angular]' --runs '[lra_lora_kd]'
+        --repair lra_span --train_source mixed --grid.calib_source mixed --grid.out results/paper_mixed
+        --out results/recovery_kd200_mixed --steps 200
+
+For each criterion, these runs with the same data, steps and seed:
 
     ========================  =========================================================
     pruned + LoRA             no correction, LoRA on attention + MLP
