@@ -156,10 +156,11 @@ def kl_top1_from_hidden(hidden: torch.Tensor, head, ref: TopK, softcap: float | 
 
 @torch.no_grad()
 def window_references(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, k: int = DEFAULT_TOPK,
-                      batch_size: int = 4) -> dict[int, TopK]:
+                      batch_size: int = 4, on_batch=None) -> dict[int, TopK]:
     """The (original) ``model``'s :class:`TopK` at every real position of each window
     ``input_ids, attention_mask: (N, T)``, keyed by window index (CPU tensors). Hidden states are
-    computed in batches, the logits a chunk of positions at a time."""
+    computed in batches, the logits a chunk of positions at a time; ``on_batch()`` is called after each
+    batch (progress)."""
     was = model.training
     model.eval()
     dev = next(model.parameters()).device
@@ -171,6 +172,8 @@ def window_references(model, input_ids: torch.Tensor, attention_mask: torch.Tens
             for b in range(ids.shape[0]):
                 out[s + b] = topk_from_hidden(hidden[b][mask[b].bool()], model.get_output_embeddings(), k,
                                               lm_softcap(model))
+            if on_batch is not None:
+                on_batch()
     finally:
         model.train(was)
     return out

@@ -117,7 +117,7 @@ def test_recovery_table_runs_resumes_and_plots_on_a_tiny_model(tmp_path):
     assert [s for s, _ in redone["val/ppl"]] == [0, 2, 4]
 
 
-def test_recovery_table_starts_from_the_chosen_repair_and_trains_on_the_chosen_text(tmp_path):
+def test_recovery_table_starts_from_the_chosen_repair_and_trains_on_the_chosen_text(tmp_path, capsys):
     """``--repair lra_span``: the distilled run starts from one LRA over the whole contiguous span (not the
     merged per-block LRAs: a different starting model, seen in val/ppl at step 0), is labelled and recorded
     so, and the table's reference row is the grid's ``lra_span`` row; ``--train_source`` names the
@@ -141,7 +141,10 @@ def test_recovery_table_starts_from_the_chosen_repair_and_trains_on_the_chosen_t
     with pytest.raises(ConfigError, match="--repair 'lra_spam'.*lra_span"):
         run(RecoveryTableConfig(**common, repair="lra_spam", out=str(tmp_path / "bad")))
     assert not (tmp_path / "bad").exists()
+    capsys.readouterr()
     per_block = run(RecoveryTableConfig(**common, out=str(tmp_path / "lra")))
+    err = capsys.readouterr().err  # long stages show progress: the teacher's distributions, the training steps
+    assert "teacher distributions (kd): done, 2 steps" in err and "training: done" in err, err[-2000:]
     span = run(RecoveryTableConfig(**common, repair="lra_span", out=str(tmp_path / "span"),
                                    train_source=str(ROOT / "tests" / "data" / "tiny_heldout.txt")))
     doc = json.loads((span / "reverse_star" / "lra_lora_kd.json").read_text())

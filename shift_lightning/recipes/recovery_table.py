@@ -49,6 +49,7 @@ from ..data import TextDataConfig
 from ..errors import ConfigError
 from ..evaluation.callbacks import ZeroShotAccuracy
 from ..evaluation.runner import EvalConfig
+from ..progress import StageProgress
 from ..recovery import RecoveryConfig
 from ..selection import select_blocks
 from ..surgery import apply_correction, remove_blocks
@@ -191,9 +192,9 @@ def run(cfg: RecoveryTableConfig) -> Path:
             trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=cfg.steps, val_check_interval=cfg.val_every,
                                 check_val_every_n_epoch=None, use_distributed_sampler=False, inference_mode=False,
                                 num_sanity_val_steps=0, gradient_clip_val=1.0, log_every_n_steps=5,
-                                enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+                                enable_checkpointing=False, enable_model_summary=False,
                                 logger=TensorBoardLogger(str(out / "tb"), name=crit, version=name),
-                                callbacks=[ZeroShotAccuracy(curve, when=("validation_end",))])
+                                callbacks=[ZeroShotAccuracy(curve, when=("validation_end",)), StageProgress()])
             t0 = time.time()
             result = run_training(trainer, train_data=train_data, val=val, recovery=rec, built=(model, tokenizer, spec),
                                   reference=base)

@@ -189,6 +189,7 @@ def run_training(
 
     def record(original, tokenizer):  # the original's distributions: validation windows (val/kl), training (kd)
         from ..fidelity import window_references
+        from ..progress import stage_bar
 
         if recovery.val_kl and val is not None and val.num_samples > 0:
             w = build_windows(val, tokenizer, original.config.model_type, "--val")
@@ -199,8 +200,14 @@ def run_training(
             w = build_windows(train_data, tokenizer, original.config.model_type, "--train_data")
             idx = visited(len(w), train_data.batch_size, trainer.global_rank, trainer.world_size, recovery.seed,
                           max(int(trainer.max_steps), 0) * trainer.accumulate_grad_batches)
-            refs = window_references(original, w.input_ids[idx], w.attention_mask[idx], recovery.kd_topk,
-                                     train_data.batch_size)
+            bar = stage_bar("teacher distributions (kd)", -(-len(idx) // train_data.batch_size)) \
+                if trainer.is_global_zero and trainer.progress_bar_callback is not None else None
+            try:
+                refs = window_references(original, w.input_ids[idx], w.attention_mask[idx], recovery.kd_topk,
+                                         train_data.batch_size, on_batch=bar.step if bar is not None else None)
+            finally:
+                if bar is not None:
+                    bar.close()
             closeness["teacher"] = {i: refs[j] for j, i in enumerate(idx)}
             n = int(w.attention_mask[idx].sum())
             log.info("kd: the original's top %d on the %d of %d training windows read (%d positions, %.0f MB; %.0f s)",
