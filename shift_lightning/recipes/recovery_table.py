@@ -154,8 +154,8 @@ def run(cfg: RecoveryTableConfig) -> Path:
     base, tokenizer = ctx.model, ctx.tokenizer
     curve = EvalConfig(tasks=ctx.eval_config.tasks, limit=cfg.curve_docs, sample_seed=g.sample_seed, progress=False,
                        max_batch_tokens=ctx.eval_config.max_batch_tokens, data_dir=g.eval_data_dir)
-    train_data = TextDataConfig(source=cfg.train_source or g.text_source, num_samples=cfg.train_samples, seq_len=cfg.seq_len, seed=1,
-                                batch_size=cfg.batch_size)
+    train_data = TextDataConfig(source=cfg.train_source or g.text_source, num_samples=cfg.train_samples,
+                                seq_len=cfg.seq_len, seed=1, batch_size=cfg.batch_size)
     val = TextDataConfig(source=g.text_source, split="heldout", num_samples=cfg.val_samples, seq_len=g.seq_len)
     runs = harness.RunFolder(out)
     for crit in cfg.criteria:
@@ -201,7 +201,8 @@ def run(cfg: RecoveryTableConfig) -> Path:
             t1 = time.time()
             merged = result.module.merged_model().eval()
             res = ctx.evaluate(merged)
-            doc = {"model": cfg.model, "criterion": crit, "run": name, "label": names[name], "repair": cfg.repair if with_lra else None, "pruned_layers": layers,
+            doc = {"model": cfg.model, "criterion": crit, "run": name, "label": names[name],
+                   "repair": cfg.repair if with_lra else None, "pruned_layers": layers,
                    "recovery": asdict(rec), "steps": result.report.steps,
                    "trainable_params": result.report.trainable_params,
                    "loss_history": result.report.loss_history, **harness.row_doc(res),
