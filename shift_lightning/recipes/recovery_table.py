@@ -127,7 +127,7 @@ class RecoveryTableConfig:
 
 def labels(repair: str = "lra") -> dict[str, str]:
     """Run -> label, naming the map when it is not the per-block LRA."""
-    return LABELS if repair == "lra" else {k: v.replace("LRA", f"{repair}") for k, v in LABELS.items()}
+    return LABELS if repair == "lra" else {k: v.replace("LRA", repair) for k, v in LABELS.items()}
 
 
 def validate(cfg: RecoveryTableConfig) -> None:

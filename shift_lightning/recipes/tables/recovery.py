@@ -35,14 +35,14 @@ def render(out: Path, cfg, labels: dict[str, str]) -> None:
         return
     paper = Path(cfg.grid.out) / Path(cfg.model).name
     ref = {}
-    repair = getattr(cfg, "repair", "lra")
+    repair = cfg.repair
     # the untrained rows of the paper grid, same docs: the starting points; pruning alone from the grid's
     # ``pruned_from`` where it ran none (a grid refitted on another calibration text)
-    pruned_from = getattr(cfg.grid, "pruned_from", None)
-    home = {}
+    home = {}  # (criterion, variant) -> the grid folder its row came from
     for crit in cfg.criteria:
         for v in ("pruned", repair):
-            for folder in (paper, *([Path(pruned_from) / paper.name] if v == "pruned" and pruned_from else [])):
+            fallback = [Path(cfg.grid.pruned_from) / paper.name] if v == "pruned" and cfg.grid.pruned_from else []
+            for folder in (paper, *fallback):
                 f = folder / crit / f"{v}.json"
                 if f.exists():
                     ref[(crit, v)] = json.loads(f.read_text())
@@ -61,7 +61,7 @@ def render(out: Path, cfg, labels: dict[str, str]) -> None:
                                                   p: e["ppl"] for p, e in r["perplexity"].items()}}
                                                   for (c, v), r in ref.items()}})
     any_run = next(iter(runs.values()))
-    src = getattr(cfg, "train_source", None) or cfg.grid.text_source
+    src = cfg.train_source or cfg.grid.text_source
     sets = list(any_run["perplexity"])
     lines = [f"# Fine-tuning after pruning: {cfg.model}, {int(100 * cfg.ratio)}% depth pruning", "",
              f"Every run: {cfg.steps} steps × {cfg.batch_size} windows × {cfg.seq_len} tokens of "
@@ -77,11 +77,10 @@ def render(out: Path, cfg, labels: dict[str, str]) -> None:
              "| criterion | run | trainable params | Avg | Robust | " + " | ".join(f"{set_label(p)} PPL" for p in sets)
              + " | KL wiki / LAMBADA / tasks |", "|---|---|---:|---:|---:|" + "---:|" * len(sets) + "---:|"]
     for crit in cfg.criteria:
-        for v, label in (("pruned", "pruned (no training; {})"),
-                         (repair, f"pruned + {'LRA' if repair == 'lra' else repair} (no training; {{}})")):
+        for v, what in (("pruned", "pruned"), (repair, f"pruned + {'LRA' if repair == 'lra' else repair}")):
             r = ref.get((crit, v))
             if r:
-                label = label.format(home[(crit, v)])
+                label = f"{what} (no training; {home[(crit, v)]})"
                 lines.append(f"| {crit} | {label} | 0 | {100 * r['average']:.2f} | "
                              f"{_robust_cell(robust.get(f'paper:{crit}/{v}'))} | "
                              + " | ".join(fmt_ppl(r["perplexity"][p]["ppl"]) for p in sets) + f" | {_kl_cell(r)} |")
