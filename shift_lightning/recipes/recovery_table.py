@@ -108,6 +108,8 @@ class RecoveryTableConfig:
     """Learning rate of a trained LRA."""
     lora_r: int = 8
     """LoRA rank."""
+    lora_alpha: int = 16
+    """LoRA scale numerator (the update is scaled by ``lora_alpha / lora_r``; keep the ratio when changing the rank)."""
     val_samples: int = 8
     """Held-out windows (of the grid's ``seq_len``) for ``val/ppl``."""
     val_every: int = 25
@@ -183,7 +185,7 @@ def run(cfg: RecoveryTableConfig) -> Path:
                 apply_correction(model, correction, n, layers)
             spec = {"original_num_layers": n, "pruned_layers": layers, "criterion": crit,
                     "correction": cfg.repair if with_lra else "none"}
-            rec = RecoveryConfig(method=method, train_lra=train_lra, lora_r=cfg.lora_r, loss=loss,
+            rec = RecoveryConfig(method=method, train_lra=train_lra, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, loss=loss,
                                  lr=cfg.lr if method == "lora" else cfg.lr / 10, lra_lr=cfg.lra_lr,
                                  warmup_steps=max(cfg.steps // 20, 1), seed=cfg.seed)
             stale = out / "tb" / crit / name  # events of an earlier, interrupted attempt would mix into the curves

@@ -65,7 +65,7 @@ def render(out: Path, cfg, labels: dict[str, str]) -> None:
     sets = list(any_run["perplexity"])
     lines = [f"# Fine-tuning after pruning: {cfg.model}, {int(100 * cfg.ratio)}% depth pruning", "",
              f"Every run: {cfg.steps} steps × {cfg.batch_size} windows × {cfg.seq_len} tokens of "
-             f"{TEXT_LABELS.get(src) or Path(src).name} (calibration split, seed 1), the same order (seed {cfg.seed}); LoRA r={cfg.lora_r} on attention + MLP at "
+             f"{TEXT_LABELS.get(src) or Path(src).name} (calibration split, seed 1), the same order (seed {cfg.seed}); LoRA r={cfg.lora_r} (α {cfg.lora_alpha}) on attention + MLP at "
              f"lr {cfg.lr:g}, partial-layer FT at lr {cfg.lr / 10:g} on the block after each pruning site, a trained "
              f"LRA at lr {cfg.lra_lr:g}; warm-up then cosine. Zero-shot avg on the results tables' "
              f"{cfg.grid.docs} seeded docs per task (7 tasks); **Robust**: the share of the original's above-chance accuracy "
