@@ -7,7 +7,9 @@ and targets ``Δ: (N, d)`` (the removed block(s)' residual update ``block(x) −
     C  = [X, 1]ᵀ Δ         (d+1, d)     float64
     yy = Σ ‖Δ_t‖²          scalar       float64
 
-Memory is independent of the number of tokens. Padding tokens are removed by the caller (only
+Memory is independent of the number of tokens. The targets may have another width than the inputs
+(``out_dim``): the joint map of :mod:`~shift_lightning.calibration.solvers.joint` regresses ``Δ: (N, d)`` on
+``[x, m]: (N, 2d)``, with ``C`` of shape ``(2d+1, d)``. Padding tokens are removed by the caller (only
 rows of real tokens reach :meth:`RidgeStats.add_batch`). Sums over ranks are plain sums, so one
 all-reduce of the flat buffer gives the global statistics.
 
@@ -125,24 +127,25 @@ class RidgeStats:
     """
 
     def __init__(self, dim: int, name: str = "site", device=None, accum_dtype: str | torch.dtype = torch.float64,
-                 chunk_tokens: int = 4096, buffer: torch.Tensor | None = None):
-        self.dim, self.name = dim, name
+                 chunk_tokens: int = 4096, buffer: torch.Tensor | None = None, out_dim: int | None = None):
+        out_dim = dim if out_dim is None else out_dim
+        self.dim, self.out_dim, self.name = dim, out_dim, name
         self.accum_dtype, self.chunk_tokens = accum_dtype, chunk_tokens
         resolve_accum(accum_dtype, "cpu", torch.float32)  # validate early
         self.scheme: str | None = None
         """The scheme the last batch was accumulated with (``auto`` resolved)."""
         if buffer is None:
-            buffer = torch.zeros(self.numel(dim), dtype=torch.float64, device=device)
-        assert buffer.dtype == torch.float64 and buffer.numel() == self.numel(dim)
+            buffer = torch.zeros(self.numel(dim, out_dim), dtype=torch.float64, device=device)
+        assert buffer.dtype == torch.float64 and buffer.numel() == self.numel(dim, out_dim)
         self.buffer = buffer
         d1 = dim + 1
         self.G = buffer[: d1 * d1].view(d1, d1)
-        self.C = buffer[d1 * d1: d1 * d1 + d1 * dim].view(d1, dim)
+        self.C = buffer[d1 * d1: d1 * d1 + d1 * out_dim].view(d1, out_dim)
         self.yy = buffer[-1:]
 
     @staticmethod
-    def numel(dim: int) -> int:
-        return (dim + 1) ** 2 + (dim + 1) * dim + 1
+    def numel(dim: int, out_dim: int | None = None) -> int:
+        return (dim + 1) ** 2 + (dim + 1) * (dim if out_dim is None else out_dim) + 1
 
     @property
     def num_tokens(self) -> int:
@@ -157,8 +160,10 @@ class RidgeStats:
         overflow of the sums themselves), instead of a separate ``isfinite`` pass over ``(N, d)``
         (measured: as costly as the float64 GEMM itself on CPU).
         """
-        if x.shape != delta.shape or x.ndim != 2 or x.shape[1] != self.dim:
-            raise ValueError(f"{self.name}: expected x, delta of shape (N, {self.dim}), got {tuple(x.shape)}, {tuple(delta.shape)}")
+        if (x.ndim != 2 or delta.ndim != 2 or x.shape[0] != delta.shape[0] or x.shape[1] != self.dim
+                or delta.shape[1] != self.out_dim):
+            raise ValueError(f"{self.name}: expected x of shape (N, {self.dim}) and delta of shape (N, {self.out_dim}), "
+                             f"got {tuple(x.shape)}, {tuple(delta.shape)}")
         if x.shape[0] == 0:
             return
         self.scheme = scheme = resolve_accum(self.accum_dtype, x.device, x.dtype)
@@ -191,13 +196,14 @@ class RidgeStats:
 class Solution:
     """``Δ̂ = x Wᵀ + b`` with ``W = U Vᵀ`` when low rank. All float64."""
 
-    W: torch.Tensor             # (d, d)
+    W: torch.Tensor             # (d, d); (d, d_in) from a rectangular ridge_solve
     b: torch.Tensor             # (d,)
     U: torch.Tensor | None      # (d, r) or None for full rank
     V: torch.Tensor | None      # (d, r)
     lam: float                  # absolute damping added to the diagonal
     kind: str                   # "residual": W is the residual map; "affine": W is A in y = x Aᵀ + c
     info: dict = field(default_factory=dict)  # what the solver wants reported (e.g. a guard's choice)
+    T: torch.Tensor | None = None  # (d, d): a map m ↦ m T on the MLP branch before the span that goes WITH the adapter
 
     def delta_map(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The fitted residual update as ``Δ̂ = x W_Δᵀ + b`` (``W_Δ = A − I`` for the affine kind)."""
@@ -207,7 +213,7 @@ class Solution:
 
 
 def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = None, kind: str = "residual",
-                bias: bool = True, dtype: torch.dtype = torch.float64) -> Solution:
+                bias: bool = True, dtype: torch.dtype = torch.float64, groups: tuple[int, ...] | None = None) -> Solution:
     """Closed-form ridge (optionally reduced-rank) fit of the site's statistics; see module doc.
 
     ``kind="residual"`` fits Δ ≈ x Wᵀ + b (adapter y = x + x Wᵀ + b, shrinks towards identity);
@@ -215,9 +221,13 @@ def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = Non
     ``bias=False`` fits without intercept (``b = 0``): the statistics are used uncentred,
     ``Wᵀ = (XᵀX + λI)⁻¹ XᵀΔ`` with ``λ = damping · mean(diag(XᵀX))``.
     ``dtype``: float64 (always, in the library); float32 exists to measure what float64 costs
-    (``benchmarks/solve.py``).
+    (``benchmarks/solve.py``). ``groups``: sizes of consecutive blocks of input features (summing to
+    ``stats.dim``), each damped relative to its own mean variance (features of different scales, e.g.
+    ``[x, m]``); the returned ``lam`` is the first block's.
     """
     G, C, d = stats.G.to(dtype), stats.C.to(dtype), stats.dim
+    if kind == "affine" and stats.out_dim != d:
+        raise ValueError(f"{stats.name}: the affine kind needs targets as wide as the inputs")
     n = G[d, d]
     if n < 1:
         raise SolveError(f"{stats.name}: no calibration tokens were accumulated")
@@ -236,8 +246,14 @@ def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = Non
     Sxx = 0.5 * (Sxx + Sxx.T)
     if not (math.isfinite(damping) and damping > 0):  # the configs refuse it first; a direct call too
         raise SolveError(f"{stats.name}: the relative damping must be a finite number > 0, got {damping}")
-    lam = damping * Sxx.diagonal().mean().clamp_min(1e-12)
-    H = Sxx + lam * torch.eye(d, dtype=Sxx.dtype, device=Sxx.device)
+    diag = Sxx.diagonal()
+    if groups is None:
+        groups = (d,)
+    if sum(groups) != d or min(groups) < 1:
+        raise ValueError(f"{stats.name}: feature groups {groups} do not partition {d} inputs")
+    lams = [damping * part.mean().clamp_min(1e-12) for part in diag.split(list(groups))]
+    lam = lams[0]
+    H = Sxx + torch.diag(torch.cat([lv.expand(n_) for lv, n_ in zip(lams, groups)]))
     L, info = torch.linalg.cholesky_ex(H)
     if info.item() != 0:
         raise SolveError(

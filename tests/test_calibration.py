@@ -301,6 +301,7 @@ def _cli(*args, world=1, env_extra=None):
      "--prune.criterion", "angular", "--prune.ratio", "0.5"],  # data-driven selection under DDP too
     ["--calibration.mode", "anchored", "--calibration.granularity", "block", "--prune.layers", "[1, 3, 4]"],
     ["--calibration.solver", "lra_auto", "--calibration.mode", "auto", "--prune.layers", "[1, 3, 4]"],
+    ["--calibration.solver", "lra_replaceme", "--prune.layers", "[0, 2, 3]"],  # a span with a branch before it, one without
 ])
 def test_ddp_two_processes_match_one(tmp_path, extra):
     _cli("--output_dir", str(tmp_path / "one"), *extra)

@@ -175,6 +175,56 @@ def test_replaceme_on_gemma3_wraps_the_post_mlp_norm_and_round_trips(tmp_path):
     assert m2.generate(ids[:1, :5], max_new_tokens=3, do_sample=False).shape[1] == 8
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_joint_lra_and_replaceme_recovers_a_span_linear_in_x_and_the_branch_and_places_it_exactly(family, tmp_path):
+    """A span that adds ``x A0ᵀ + m B0ᵀ + c0`` (``m``: block 1's MLP branch): neither the span LRA nor ReplaceMe
+    can fit it, the joint map does, and its two halves (branch map before the span, adapter after it)
+    give back the original model exactly, folded (Llama) or after the post-MLP norm (Gemma3), saved and loaded."""
+    model, tok = build_tiny_model(family, num_hidden_layers=6, dtype=torch.float64)
+    d = model.config.hidden_size
+    eye = torch.eye(d, dtype=torch.float64)
+    A0, B0 = _rand(d, 5, 0.2), _rand(d, 6, 3.0)  # a random model's branch is much smaller than x
+    c0 = 0.1 * torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    blocks = decoder_layers(model)
+    shared = {}
+    mlp_branch(blocks[1]).register_forward_hook(lambda mod, a, out: shared.__setitem__("m", out))
+    blocks[2] = Linear(eye + A0, c0, branch=shared, B=B0)
+    blocks[3] = Linear(eye)
+    win = _windows(tok)
+    ids = win.input_ids[:2, :24]
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+    mod = _fit(model, [2, 3], ["lra_replaceme", "lra_span", "replaceme"], win)
+    errors = mod.reports[mod.spans[0].key]["solvers"]
+    assert errors["lra_replaceme"]["calib_rel_error"] < 1e-9
+    assert errors["lra_span"]["calib_rel_error"] > 1e-3 and errors["replaceme"]["calib_rel_error"] > 1e-3
+    assert errors["lra_replaceme"]["cond_I_plus_A"] < 1e3
+    corr = mod.correction("lra_replaceme")
+    assert list(corr.branch_maps) == [1] and list(corr.adapters) == [2]
+    remove_blocks(model, [2, 3])
+    apply_correction(model, corr, 6, [2, 3])
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False).logits
+    assert_close(out, ref, rtol=1e-6, atol=1e-6)  # the pruned, corrected model equals the original
+    save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": [2, 3],
+                                           "correction": "lra_replaceme"})
+    m2, _ = load_pretrained(tmp_path)
+    with torch.no_grad():
+        assert_close(m2(input_ids=ids, use_cache=False).logits, out, rtol=1e-12, atol=1e-12)
+
+
+def test_joint_map_at_block_0_is_the_span_lra_and_says_so(tiny):
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    win = _windows(tok)
+    mod = _fit(model, [0, 1], ["lra_replaceme", "lra_span"], win, damping=1e-4)
+    span = mod.spans[0]
+    assert mod.solution(span, "lra_replaceme").T is None
+    assert_close(mod.solution(span, "lra_replaceme").W, mod.solution(span, "lra_span").W)
+    corr = mod.correction("lra_replaceme")
+    assert not corr.branch_maps and list(corr.adapters) == [0]
+    assert any("no block before the span" in n for n in corr.notes)
+
+
 def test_linearpatch_recovers_an_exact_hadamard_scaling(tiny):
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
     d = model.config.hidden_size

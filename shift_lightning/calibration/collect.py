@@ -8,6 +8,8 @@ all-reduce syncs every site on N ranks) and installs forward hooks that fill the
 ``io``     :class:`~shift_lightning.stats.RidgeStats` of ``(x, Δ)``: ``x`` the hidden state entering block
            ``start``, ``Δ = h_end − x`` what the removed blocks add to the residual stream
 ``branch`` ``RidgeStats`` of ``(m, Δ)``: ``m`` the MLP-branch output of block ``start − 1`` (ReplaceMe)
+``joint``  ``RidgeStats`` of ``([x, m], Δ)`` (inputs ``2d`` wide, targets ``d``): the LRA and ReplaceMe's
+           branch map fitted together (:mod:`~.solvers.joint`); spans with a block before them only
 ``scale``  :class:`~shift_lightning.peers.ChannelScaleStats` of the span's input and output (LinearPatch)
 ``rows``   the rows ``(m, m + Δ)`` themselves, cached on the CPU per window (iterative solvers:
            ReplaceMe's cosine objective); gathered from every rank in window order, not summed
@@ -33,7 +35,7 @@ from ..stats import RidgeStats
 from .sites import Site
 
 #: Statistics a solver may ask for (see the module doc).
-NEEDS = ("io", "branch", "scale", "rows")
+NEEDS = ("io", "branch", "joint", "scale", "rows")
 
 
 class StopForward(Exception):
@@ -97,6 +99,7 @@ class SiteStatistics:
     held_io: RidgeStats | None = None
     held_branch: RidgeStats | None = None
     extra: dict = field(default_factory=dict)
+    joint: RidgeStats | None = None
 
     def fitting(self) -> "SiteStatistics":
         """The statistics without the held-out windows (sums are additive: all − held)."""
@@ -109,7 +112,7 @@ class SiteStatistics:
             return out
 
         return SiteStatistics(self.site, minus(self.io, self.held_io), minus(self.branch, self.held_branch),
-                              self.scale, self.rows)
+                              self.scale, self.rows)  # no held-out copy of ``joint``: no guard judges the joint map
 
 
 class Collector:
@@ -131,9 +134,11 @@ class Collector:
 
     def numel(self) -> int:
         nr, ns = RidgeStats.numel(self.dim), ChannelScaleStats.numel(self.dim)
+        nj = RidgeStats.numel(2 * self.dim, self.dim)
         total = 0
         for site, needs in self.plan.items():
             total += nr * ("io" in needs) + nr * ("branch" in needs and site.start >= 1) + ns * ("scale" in needs)
+            total += nj * ("joint" in needs and site.start >= 1)
             if self.holdout_every:
                 total += nr * ("io" in needs) + nr * ("branch" in needs and site.start >= 1)
         return total
@@ -160,6 +165,11 @@ class Collector:
                 st.branch = ridge(site.name + " [MLP branch]")
                 if self.holdout_every:
                     st.held_branch = ridge(site.name + " [MLP branch, held-out windows]")
+            if "joint" in needs and site.start >= 1:
+                nj = RidgeStats.numel(2 * self.dim, self.dim)
+                st.joint = RidgeStats(2 * self.dim, site.name + " [input and MLP branch]", accum_dtype=self.accum,
+                                      buffer=self.flat[off:off + nj], out_dim=self.dim)
+                off += nj
             if "scale" in needs:
                 st.scale = ChannelScaleStats(self.dim, site.name, buffer=self.flat[off:off + ns])
                 off += ns
@@ -188,7 +198,7 @@ class Collector:
 
             handles.append(blocks[start].register_forward_pre_hook(pre, with_kwargs=True))
         for j in sorted({st.site.start - 1 for st in self.stats.values()
-                         if st.branch is not None or st.rows is not None}):
+                         if st.branch is not None or st.rows is not None or st.joint is not None}):
             def on_branch(mod, args, output, j=j):
                 branch[j] = block_output(output)
 
@@ -214,6 +224,9 @@ class Collector:
                         st.branch.add_batch(b[m], delta[m])
                         if st.held_branch is not None:
                             st.held_branch.add_batch(b[held_mask], delta[held_mask])
+                    if st.joint is not None:
+                        b = branch[st.site.start - 1]
+                        st.joint.add_batch(torch.cat([x[m], b[m]], dim=1), delta[m])
                     if st.scale is not None:
                         st.scale.add_batch(x, y, m)
                     if st.rows is not None:

@@ -13,8 +13,8 @@ log = logging.getLogger(__name__)
 
 #: The registered solvers (:mod:`shift_lightning.calibration.solvers`), as the config's choices.
 #: ``tests/test_structure.py`` checks that this list and the registry agree.
-SolverName = Literal["lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch",
-                     "lra_guard", "guarded", "guarded_span"]
+SolverName = Literal["lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "affine", "replaceme", "replaceme_cosine",
+                     "lra_replaceme", "linearpatch", "lra_guard", "guarded", "guarded_span"]
 
 
 @dataclass
@@ -29,7 +29,8 @@ class CalibrationConfig:
     windows, the fit closest to the original on them refitted on all windows), ``nobias`` (y = x + xWᵀ, Ghosted Layers),
     ``affine`` (y = xAᵀ + c, no identity path; ablation), ``replaceme`` (ReplaceMe's least-squares map
     folded into the last kept block's MLP), ``replaceme_cosine`` (ReplaceMe's cosine-objective map,
-    Adam on cached activations: its strongest training-free variant), ``linearpatch`` (LinearPatch's
+    Adam on cached activations: its strongest training-free variant), ``lra_replaceme`` (the span LRA
+    and ReplaceMe's branch map fitted together, one ridge on ``[x, m]``), ``linearpatch`` (LinearPatch's
     P = H D Hᵀ), ``lra_guard`` (the LRA with its ridge strength chosen per site by held-out
     reconstruction error), ``guarded`` (per span the map among none / the LRA along its ridge path /
     no bias / ReplaceMe that keeps the model closest to the original on held-out calibration

@@ -34,6 +34,7 @@ from .sites import Site, make_sites, sites_in, span_sites
 from .solve import Job, solve_shared
 from .solvers import Solver, get_solver
 from .solvers.guard import Candidate, Guarded
+from .solvers.joint import span_delta_map
 
 log = logging.getLogger(__name__)
 
@@ -186,10 +187,9 @@ class CalibrationModule(DataPass):
     def _store(self, solver: Solver, site: Site, sol: Solution, stats: SiteStatistics) -> None:
         self.solutions[solver.name][site.key] = sol
         self._adapters.pop((solver.name, site.key), None)
-        st = stats.branch if solver.placement == "branch" else stats.io
+        st, (Wd, bd) = solver.fitted_on(sol, stats)
         entry = {"lam": sol.lam, **sol.info}
         if st is not None:
-            Wd, bd = sol.delta_map()
             entry.update(calib_rel_error=st.relative_error(Wd, bd), calib_tokens=st.num_tokens, accum=st.scheme)
         rep = self.reports[site.key]
         rep.setdefault("solvers", {}).setdefault(solver.name, {}).update(entry)
@@ -203,12 +203,12 @@ class CalibrationModule(DataPass):
 
         for key, theirs in other.statistics.items():
             mine = self.statistics.setdefault(key, SiteStatistics(theirs.site))
-            for field_ in ("io", "branch", "held_io", "held_branch"):
+            for field_ in ("io", "branch", "held_io", "held_branch", "joint"):
                 t = getattr(theirs, field_)
                 if t is None:
                     continue
                 if getattr(mine, field_) is None:
-                    setattr(mine, field_, RidgeStats(self.dim, t.name, device=t.buffer.device))
+                    setattr(mine, field_, RidgeStats(t.dim, t.name, device=t.buffer.device, out_dim=t.out_dim))
                 getattr(mine, field_).buffer += t.buffer
 
     # ---------------------------------------------------------------- the guard
@@ -294,17 +294,19 @@ class CalibrationModule(DataPass):
             self._sequential(trainer, windows, batch_size, measure_site, f"held-out errors ({self.cfg.mode})")
             return
         branch = any(s.placement == "branch" for s in self.solvers.values())
+        joint = any("joint" in s.needs for s in self.solvers.values())
         span_level = len(self.requested) > 1 or any(self.solvers[n].per_span for n in self.requested)
         plan = [(t, {"io"}) for t in self.sites if any(not s.per_span for s in self._fittable())]
         if span_level:
-            plan += [(t, {"io", "branch"} if branch else {"io"}) for t in self.spans]
+            plan += [(t, {"io"} | ({"branch"} if branch else set()) | ({"joint"} if joint else set()))
+                     for t in self.spans]
         fresh = self._collect(trainer, windows, batch_size, plan, "held-out errors")
         for s in self._fittable():
             for t in self._targets(s):
-                st = fresh.get(t.key)
-                st = None if st is None else (st.branch if s.placement == "branch" else st.io)
-                if st is not None and t.key in self.solutions[s.name]:
-                    Wd, bd = self.solutions[s.name][t.key].delta_map()
+                if t.key not in fresh or t.key not in self.solutions[s.name]:
+                    continue
+                st, (Wd, bd) = s.fitted_on(self.solutions[s.name][t.key], fresh[t.key])
+                if st is not None:
                     self._record(t, s.name, key, st.relative_error(Wd, bd), st.num_tokens)
         if span_level:
             eye = torch.eye(self.dim, dtype=torch.float64)
@@ -313,7 +315,9 @@ class CalibrationModule(DataPass):
                 st = fresh[span.key]
                 for name in self.requested:
                     m = self.span_map(name, span)
-                    if m.branch is not None and st.branch is not None:
+                    if m.branch is not None and m.adapter is not None and st.joint is not None:
+                        err = st.joint.relative_error(*span_delta_map(*as_affine(m.adapter), m.branch))
+                    elif m.branch is not None and st.branch is not None:
                         T = m.branch.to(torch.float64)
                         err = st.branch.relative_error(T.T - eye.to(T), T.new_zeros(self.dim))
                     elif m.adapter is not None:
@@ -356,7 +360,9 @@ class CalibrationModule(DataPass):
                                                        f"fold {s.label.lstrip('+')}'s map into; left uncorrected")
             return SpanMap(span, branch=sol.W.T, source=name)
         if s.per_span:
-            return SpanMap(span, adapter=self.adapter(name, span), source=name)
+            sol = self.solutions[name][span.key]
+            return SpanMap(span, adapter=self.adapter(name, span), branch=sol.T, source=name,
+                           note=sol.info.get("note") and f"span {span.start}..{span.end - 1}: {sol.info['note']}")
         return SpanMap(span, adapter=chain([self.adapter(name, t) for t in sites_in(span, self.sites)], self.cfg.merge),
                        source=name)
 

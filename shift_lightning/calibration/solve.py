@@ -1,7 +1,7 @@
 """The distributed solve: job ``n`` runs on rank ``n mod world``, its map is broadcast to every rank.
 
 Every solver returns a :class:`~shift_lightning.stats.Solution` of known shapes (``W (d, d)``,
-``b (d,)``, ``U, V (d, r)`` when low rank, ``λ``), so the broadcast is the same for every map; its
+``b (d,)``, ``U, V (d, r)`` when low rank, a branch map ``T (d, d)`` beside the adapter, ``λ``), so the broadcast is the same for every map; its
 small ``info`` dict (and any :class:`~shift_lightning.stats.SolveError`) travels as an object, so a
 failed solve raises the same one-line error on every rank.
 """
@@ -49,6 +49,7 @@ def solve_shared(jobs: list[Job], dim: int, device) -> list[Solution]:
         f64 = dict(dtype=torch.float64, device=device)
         W, b, lam = torch.zeros(dim, dim, **f64), torch.zeros(dim, **f64), torch.zeros(1, **f64)
         U, V = torch.zeros(dim, r or 1, **f64), torch.zeros(dim, r or 1, **f64)
+        T = torch.zeros(dim, dim, **f64) if "joint" in job.solver.needs else torch.zeros(1, 1, **f64)
         meta: dict = {}
         if me == owner:
             try:
@@ -57,10 +58,12 @@ def solve_shared(jobs: list[Job], dim: int, device) -> list[Solution]:
                 W.copy_(sol.W), b.copy_(sol.b), lam.fill_(sol.lam)
                 if r and sol.U is not None:
                     U.copy_(sol.U), V.copy_(sol.V)
-                meta = {"kind": sol.kind, "info": sol.info, "low_rank": sol.U is not None}
+                if sol.T is not None:
+                    T.copy_(sol.T)
+                meta = {"kind": sol.kind, "info": sol.info, "low_rank": sol.U is not None, "T": sol.T is not None}
             except SolveError as e:
                 meta = {"error": str(e)}
-        dist.broadcast_tensors([W, b, U, V, lam], src=owner)
+        dist.broadcast_tensors([W, b, U, V, T, lam], src=owner)
         meta = _broadcast_object(meta, owner)
         if "error" in meta:
             raise SolveError(meta["error"])
@@ -69,5 +72,5 @@ def solve_shared(jobs: list[Job], dim: int, device) -> list[Solution]:
                              "--calibration.damping")
         low = meta["low_rank"]
         out.append(Solution(W, b, U if low else None, V if low else None, float(lam.item()), meta["kind"],
-                            info=meta["info"]))
+                            info=meta["info"], T=T if meta["T"] else None))
     return out

@@ -80,10 +80,11 @@ class ReproduceConfig:
     """Perplexity sets (columns of the table; also closeness sets)."""
     criteria: list[str] = field(default_factory=lambda: list(CRITERIA_ORDER))
     """Criteria to run, in this order."""
-    variants: list[Literal["pruned", "lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch",
-                           "lra_guard", "guarded", "guarded_span"]] = field(default_factory=lambda: list(VARIANTS))
-    """Row variants per criterion (``lra_span``, ``lra_anchored``, ``lra_auto`` and ``guarded_span`` are opt-in: not
-    among the defaults; ``lra_anchored`` takes a calibration pass of its own, in ``mode: anchored``, and
+    variants: list[Literal["pruned", "lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "affine", "replaceme",
+                           "replaceme_cosine", "lra_replaceme", "linearpatch", "lra_guard", "guarded", "guarded_span"]] = field(
+        default_factory=lambda: list(VARIANTS))
+    """Row variants per criterion (``lra_span``, ``lra_anchored``, ``lra_auto``, ``lra_replaceme`` and ``guarded_span`` are
+    opt-in: not among the defaults; ``lra_anchored`` takes a calibration pass of its own, in ``mode: anchored``, and
     ``lra_auto`` its own fits, in ``mode: auto``)."""
     fill: Literal["all", "new", "closeness"] = "all"
     """``all``: missing runs, and closeness for finished runs that lack it; ``new``: missing runs only;

@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 from ...errors import ConfigError
-from ...stats import Solution
+from ...stats import RidgeStats, Solution
 from ..collect import SiteStatistics
 from ..config import CalibrationConfig
 from ..sites import Site
@@ -83,6 +83,11 @@ class Solver:
 
     def fit(self, stats: SiteStatistics) -> Solution:
         raise NotImplementedError
+
+    def fitted_on(self, sol: Solution, stats: SiteStatistics) -> tuple[RidgeStats | None, tuple]:
+        """The statistics of ``stats`` that ``sol`` was fitted on, and its update ``(W_Δ, b)`` in their inputs
+        (what the calibration and held-out relative errors are computed from)."""
+        return (stats.branch if self.placement == "branch" else stats.io), sol.delta_map()
 
 
 #: name -> solver class; filled by :func:`register`.

@@ -1,0 +1,77 @@
+"""``lra_replaceme``: the LRA and ReplaceMe's branch map fitted together, one closed-form ridge per span.
+
+The LRA sees only the state entering the span, ``x``; ReplaceMe only the MLP-branch output of the
+block before it, ``m`` (a nonlinear function of that block's input, so not a linear function of
+``x``). One ridge regression on both::
+
+    Δ̂ = x A + m B + b          [A; B] = ([x, m]ᶜᵀ[x, m]ᶜ + Λ)⁻¹ [x, m]ᶜᵀ Δᶜ
+
+(row vectors, centred statistics ``ᶜ``; ``Λ`` damps each half relative to its own mean variance, so
+``A`` shrinks to 0 and ``B`` to 0 — towards the plain LRA and plain pruning, not towards each other's
+scale). Up to the damping, its in-sample error is never above either map's: it contains both (the LRA is
+``B = 0``, ReplaceMe ``A = 0`` without bias).
+
+**Placement, exactly.** A map on ``m`` is applied where ReplaceMe applies it: ``m ↦ m T`` on block
+``start − 1``'s branch (folded into ``down_proj``, or after Gemma3's post-MLP norm), which moves the
+state entering the span to ``x' = x + m (T − I)``. The adapter after the span then sees ``x'``, not
+``x``. With the adapter ``y = x' (I + A) + b`` and ``T = I + B (I + A)⁻¹``::
+
+    y = x (I + A) + m (T − I)(I + A) + b = x + x A + m B + b
+
+the fitted map, exactly. ``(I + A)⁻¹`` is applied with a linear solve (LU), never an explicit
+inverse, and refused when ``I + A`` is ill-conditioned (condition number over ``1e8``). The
+corrected model is again an LRA plus a ReplaceMe map: saved, loaded and exported as those are.
+
+A span starting at block 0 has no branch before it: it gets the span LRA alone (noted).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...stats import Solution, SolveError, ridge_solve
+from ..collect import SiteStatistics
+from .base import Solver, register
+
+#: Largest condition number of ``I + A`` the fold accepts.
+MAX_COND = 1e8
+
+
+def span_delta_map(M: torch.Tensor, c: torch.Tensor, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The update ``Δ̂ = [x, m] W_jᵀ + c`` that an adapter ``y = M x' + c`` (columns; ``M = I + W``) after a
+    branch map ``T`` applies: ``x' = x + m (T − I)``, so ``W_j = [M − I, M (T − I)ᵀ]``, ``(d, 2d)``."""
+    eye = torch.eye(M.shape[0], dtype=torch.float64, device=M.device)
+    M, T = M.to(torch.float64), T.to(torch.float64)
+    return torch.cat([M - eye, M @ (T - eye).T], dim=1), c.to(torch.float64)
+
+
+@register
+class LRAReplaceMe(Solver):
+    name, label = "lra_replaceme", "+LRA & ReplaceMe (joint)"
+    per_span = True
+    needs = frozenset({"io", "joint"})
+
+    def fitted_on(self, sol: Solution, stats: SiteStatistics):
+        if sol.T is None or stats.joint is None:
+            return stats.io, sol.delta_map()
+        eye = torch.eye(sol.W.shape[0], dtype=sol.W.dtype, device=sol.W.device)
+        return stats.joint, span_delta_map(eye + sol.W, sol.b, sol.T)
+
+    def fit(self, stats: SiteStatistics) -> Solution:
+        if stats.joint is None:  # span at block 0: no branch before it
+            sol = ridge_solve(stats.io, self.cfg.damping)
+            sol.info = {"joint": False, "note": "no block before the span: the span LRA alone"}
+            return sol
+        d = stats.io.dim
+        sol = ridge_solve(stats.joint, self.cfg.damping, groups=(d, d))
+        A, B = sol.W[:, :d].T, sol.W[:, d:].T              # Δ̂ = x A + m B + b
+        eye = torch.eye(d, dtype=A.dtype, device=A.device)
+        IA = eye + A
+        cond = float(torch.linalg.cond(IA))
+        if not cond < MAX_COND:
+            raise SolveError(f"{stats.site.name}: I + A of the joint map is ill-conditioned (condition number "
+                             f"{cond:.3g}), so ReplaceMe's half cannot be moved before the adapter exactly; increase "
+                             "--calibration.damping or use --calibration.solver lra_span")
+        T = eye + torch.linalg.solve(IA.T, B.T).T          # T − I = B (I + A)⁻¹
+        return Solution(A.T.contiguous(), sol.b, None, None, sol.lam, "residual", T=T.contiguous(),
+                        info={"joint": True, "cond_I_plus_A": cond})
