@@ -88,3 +88,41 @@ def test_replaceme_cosine_check_rows_and_report(tmp_path):
     doc = json.loads((tmp_path / "rc.json").read_text())
     assert [r["fit"] for r in doc["rows"]] == ["identity (pruned)", "ls", "cosine, 1 epochs"]
     assert doc["rows"][2]["steps"] == 1 and "| 3–4 | ls |" in (tmp_path / "rc.md").read_text()
+
+
+def test_richer_maps_check_rows_and_its_x_m_fit_is_the_lra_replaceme_solver(tmp_path):
+    """The richer-features diagnosis: its ``x, m`` ridge is exactly the ``lra_replaceme`` solver's fitted map
+    (same statistics, same per-group damping), richer feature sets fit the calibration rows at least as well
+    (nested), and the report lands as JSON and markdown."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import lightning as L
+    import torch
+
+    import _common as C
+    import richer_maps_check as R
+    from shift_lightning.calibration import CalibrationConfig, CalibrationModule
+    from shift_lightning.calibration.solvers.joint import span_delta_map
+    from shift_lightning.stats import ridge_solve
+
+    model, _ = C.build_model("random:tiny", torch.device("cpu"), dtype=torch.float64)
+    win = C.windows(model, None, 4, 32)
+    d, d_ff = model.config.hidden_size, model.config.intermediate_size
+    st = R.collect(model, win, 3, 5, "xm")
+    sol = ridge_solve(st, 1e-4, groups=R.group_sizes("xm", d, d_ff))
+    mod = CalibrationModule(model, [3, 4], CalibrationConfig(heldout=False), solvers=["lra_replaceme"])
+    mod.calibrate(L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, inference_mode=False), win, batch_size=4)
+    span = mod.spans[0]
+    fitted = mod.solution(span, "lra_replaceme")
+    Wj, b = span_delta_map(torch.eye(d, dtype=torch.float64) + fitted.W, fitted.b, fitted.T)
+    torch.testing.assert_close(Wj, sol.W, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(b, sol.b, rtol=1e-7, atol=1e-9)
+    in_sample = {g: st_.relative_error(s_.W, s_.b) for g in ("x", "xn", "xna")
+                 for st_ in [R.collect(model, win, 3, 5, g)]
+                 for s_ in [ridge_solve(st_, 1e-6, groups=R.group_sizes(g, d, d_ff))]}
+    assert in_sample["xna"] <= in_sample["xn"] + 1e-6 <= in_sample["x"] + 2e-6
+    R.main(["--model", "random:tiny", "--blocks", "3,4", "--samples", "8", "--seq_len", "32", "--out", str(tmp_path / "rm")])
+    doc = json.loads((tmp_path / "rm.json").read_text())
+    assert [r["map"] for r in doc["rows"]][:6] == ["pruned (no map)", *R.FEATURES]
+    assert [r["params"] for r in doc["rows"]][1:3] == [d * d + d, 2 * d * d + d]
+    assert doc["text"] == "random tokens" and "| x, m |" in (tmp_path / "rm.md").read_text()

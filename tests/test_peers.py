@@ -175,11 +175,8 @@ def test_replaceme_on_gemma3_wraps_the_post_mlp_norm_and_round_trips(tmp_path):
     assert m2.generate(ids[:1, :5], max_new_tokens=3, do_sample=False).shape[1] == 8
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_joint_lra_and_replaceme_recovers_a_span_linear_in_x_and_the_branch_and_places_it_exactly(family, tmp_path):
-    """A span that adds ``x A0ᵀ + m B0ᵀ + c0`` (``m``: block 1's MLP branch): neither the span LRA nor ReplaceMe
-    can fit it, the joint map does, and its two halves (branch map before the span, adapter after it)
-    give back the original model exactly, folded (Llama) or after the post-MLP norm (Gemma3), saved and loaded."""
+def _joint_span_model(family):
+    """A tiny model whose blocks 2–3 add ``x A0ᵀ + m B0ᵀ + c0`` (``m``: block 1's MLP branch): exactly the joint map."""
     model, tok = build_tiny_model(family, num_hidden_layers=6, dtype=torch.float64)
     d = model.config.hidden_size
     eye = torch.eye(d, dtype=torch.float64)
@@ -190,6 +187,15 @@ def test_joint_lra_and_replaceme_recovers_a_span_linear_in_x_and_the_branch_and_
     mlp_branch(blocks[1]).register_forward_hook(lambda mod, a, out: shared.__setitem__("m", out))
     blocks[2] = Linear(eye + A0, c0, branch=shared, B=B0)
     blocks[3] = Linear(eye)
+    return model, tok
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_joint_lra_and_replaceme_recovers_a_span_linear_in_x_and_the_branch_and_places_it_exactly(family, tmp_path):
+    """Neither the span LRA nor ReplaceMe can fit a span that adds ``x A0ᵀ + m B0ᵀ + c0``; the joint map does,
+    and its two halves (branch map before the span, adapter after it) give back the original model exactly,
+    folded (Llama) or after the post-MLP norm (Gemma3), saved and loaded."""
+    model, tok = _joint_span_model(family)
     win = _windows(tok)
     ids = win.input_ids[:2, :24]
     with torch.no_grad():
@@ -211,6 +217,25 @@ def test_joint_lra_and_replaceme_recovers_a_span_linear_in_x_and_the_branch_and_
     m2, _ = load_pretrained(tmp_path)
     with torch.no_grad():
         assert_close(m2(input_ids=ids, use_cache=False).logits, out, rtol=1e-12, atol=1e-12)
+
+
+def test_guarded_joint_judges_the_joint_map_on_held_out_windows_and_keeps_it_where_it_is_exact():
+    model, tok = _joint_span_model("llama")
+    win = _windows(tok)
+    ids = win.input_ids[:2, :24]
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+    mod = _fit(model, [2, 3], ["guarded_joint", "lra_replaceme"], win)
+    guard = mod.reports[mod.spans[0].key]["guards"]["guarded_joint"]
+    assert guard["chosen"] == "lra+replaceme" and guard["kl"]["lra+replaceme"] < 1e-8
+    assert {"none", "lra@span", "replaceme", "lra+replaceme"} <= set(guard["kl"])
+    assert guard["kl"]["lra@span"] > 100 * guard["kl"]["lra+replaceme"]  # the others cannot reach it
+    corr = mod.correction("guarded_joint")
+    assert_close(corr.branch_maps[1], mod.correction("lra_replaceme").branch_maps[1])  # refitted on all windows
+    remove_blocks(model, [2, 3])
+    apply_correction(model, corr, 6, [2, 3])
+    with torch.no_grad():
+        assert_close(model(input_ids=ids, use_cache=False).logits, ref, rtol=1e-6, atol=1e-6)
 
 
 def test_joint_map_at_block_0_is_the_span_lra_and_says_so(tiny):

@@ -100,6 +100,7 @@ class SiteStatistics:
     held_branch: RidgeStats | None = None
     extra: dict = field(default_factory=dict)
     joint: RidgeStats | None = None
+    held_joint: RidgeStats | None = None
 
     def fitting(self) -> "SiteStatistics":
         """The statistics without the held-out windows (sums are additive: all − held)."""
@@ -107,12 +108,12 @@ class SiteStatistics:
         def minus(a: RidgeStats | None, h: RidgeStats | None) -> RidgeStats | None:
             if a is None or h is None:
                 return a
-            out = RidgeStats(a.dim, a.name + " [fitting windows]", device=a.buffer.device)
+            out = RidgeStats(a.dim, a.name + " [fitting windows]", device=a.buffer.device, out_dim=a.out_dim)
             out.buffer.copy_(a.buffer - h.buffer)
             return out
 
         return SiteStatistics(self.site, minus(self.io, self.held_io), minus(self.branch, self.held_branch),
-                              self.scale, self.rows)  # no held-out copy of ``joint``: no guard judges the joint map
+                              self.scale, self.rows, joint=minus(self.joint, self.held_joint))
 
 
 class Collector:
@@ -138,7 +139,7 @@ class Collector:
         total = 0
         for site, needs in self.plan.items():
             total += nr * ("io" in needs) + nr * ("branch" in needs and site.start >= 1) + ns * ("scale" in needs)
-            total += nj * ("joint" in needs and site.start >= 1)
+            total += nj * ("joint" in needs and site.start >= 1) * (2 if self.holdout_every else 1)
             if self.holdout_every:
                 total += nr * ("io" in needs) + nr * ("branch" in needs and site.start >= 1)
         return total
@@ -166,10 +167,12 @@ class Collector:
                 if self.holdout_every:
                     st.held_branch = ridge(site.name + " [MLP branch, held-out windows]")
             if "joint" in needs and site.start >= 1:
-                nj = RidgeStats.numel(2 * self.dim, self.dim)
-                st.joint = RidgeStats(2 * self.dim, site.name + " [input and MLP branch]", accum_dtype=self.accum,
-                                      buffer=self.flat[off:off + nj], out_dim=self.dim)
-                off += nj
+                copies = [("joint", "")] + ([("held_joint", ", held-out windows")] if self.holdout_every else [])
+                for attr, tag in copies:
+                    nj = RidgeStats.numel(2 * self.dim, self.dim)
+                    setattr(st, attr, RidgeStats(2 * self.dim, f"{site.name} [input and MLP branch{tag}]",
+                                                 accum_dtype=self.accum, buffer=self.flat[off:off + nj], out_dim=self.dim))
+                    off += nj
             if "scale" in needs:
                 st.scale = ChannelScaleStats(self.dim, site.name, buffer=self.flat[off:off + ns])
                 off += ns
@@ -227,6 +230,8 @@ class Collector:
                     if st.joint is not None:
                         b = branch[st.site.start - 1]
                         st.joint.add_batch(torch.cat([x[m], b[m]], dim=1), delta[m])
+                        if st.held_joint is not None:
+                            st.held_joint.add_batch(torch.cat([x[held_mask], b[held_mask]], dim=1), delta[held_mask])
                     if st.scale is not None:
                         st.scale.add_batch(x, y, m)
                     if st.rows is not None:

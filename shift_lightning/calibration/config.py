@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 #: The registered solvers (:mod:`shift_lightning.calibration.solvers`), as the config's choices.
 #: ``tests/test_structure.py`` checks that this list and the registry agree.
 SolverName = Literal["lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "affine", "replaceme", "replaceme_cosine",
-                     "lra_replaceme", "linearpatch", "lra_guard", "guarded", "guarded_span"]
+                     "lra_replaceme", "linearpatch", "lra_guard", "guarded", "guarded_span", "guarded_joint"]
 
 
 @dataclass
@@ -35,7 +35,8 @@ class CalibrationConfig:
     reconstruction error), ``guarded`` (per span the map among none / the LRA along its ridge path /
     no bias / ReplaceMe that keeps the model closest to the original on held-out calibration
     windows, by next-token KL), ``guarded_span`` (the same guard, with one LRA fitted to each whole span
-    of two or more blocks as one more candidate)."""
+    of two or more blocks as one more candidate), ``guarded_joint`` (``guarded_span`` with ``lra_replaceme``
+    as one more candidate)."""
     mode: Literal["independent", "sequential", "anchored", "auto"] = "independent"
     """``independent`` (one pass of the original model), ``sequential`` (each site sees the corrected
     pruned model's hidden states; about one pass in all, block by block) or ``anchored`` (sequential, and

@@ -228,7 +228,8 @@ class CalibrationModule(DataPass):
             return None
         dtype = next(self.model.parameters()).dtype
         parts = [adapter_from(sols[(c.name, t.key)], s.bias, dtype, s.rank(self.dim)) for t in targets]
-        return SpanMap(span, adapter=chain(parts, self.cfg.merge), source=c.name)
+        branch = sols[(c.name, span.key)].T if s.per_span else None  # the joint map's half before the span
+        return SpanMap(span, adapter=chain(parts, self.cfg.merge), branch=branch, source=c.name)
 
     def _candidate_targets(self, c: Candidate, s: Solver, span: Site) -> list[Site]:
         """Where ``c`` is fitted in ``span``: the span, its sites, or nowhere (a span LRA at one site = the site fit)."""

@@ -81,10 +81,11 @@ class ReproduceConfig:
     criteria: list[str] = field(default_factory=lambda: list(CRITERIA_ORDER))
     """Criteria to run, in this order."""
     variants: list[Literal["pruned", "lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "affine", "replaceme",
-                           "replaceme_cosine", "lra_replaceme", "linearpatch", "lra_guard", "guarded", "guarded_span"]] = field(
+                           "replaceme_cosine", "lra_replaceme", "linearpatch", "lra_guard", "guarded", "guarded_span",
+                           "guarded_joint"]] = field(
         default_factory=lambda: list(VARIANTS))
-    """Row variants per criterion (``lra_span``, ``lra_anchored``, ``lra_auto``, ``lra_replaceme`` and ``guarded_span`` are
-    opt-in: not among the defaults; ``lra_anchored`` takes a calibration pass of its own, in ``mode: anchored``, and
+    """Row variants per criterion (``lra_span``, ``lra_anchored``, ``lra_auto``, ``lra_replaceme``, ``guarded_span`` and
+    ``guarded_joint`` are opt-in: not among the defaults; ``lra_anchored`` takes a calibration pass of its own, in ``mode: anchored``, and
     ``lra_auto`` its own fits, in ``mode: auto``)."""
     fill: Literal["all", "new", "closeness"] = "all"
     """``all``: missing runs, and closeness for finished runs that lack it; ``new``: missing runs only;
@@ -359,7 +360,8 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
 def _twin(cfg: ReproduceConfig, module: CalibrationModule, variant: str) -> str | None:
     """The variant whose maps ``variant``'s are, by construction, when its choices say so: ``lra_auto``'s
     chosen fit; a guard that kept the LRA at the calibration damping at every span (``lra``), or, for
-    ``guarded_span``, one LRA per span wherever a span has two or more blocks (``lra_span``); the span
+    ``guarded_span`` / ``guarded_joint``, one LRA per span wherever a span has two or more blocks (``lra_span``);
+    ``guarded_joint`` that kept the joint map at every span (``lra_replaceme``); the span
     LRA where every span is one block (the per-block ``lra``), and the anchored span LRA where there is
     one span (nothing before it to anchor: the span LRA; :func:`~shift_lightning.calibration.auto.coinciding_fits`)."""
     if module.fit_choice is not None:
@@ -373,8 +375,10 @@ def _twin(cfg: ReproduceConfig, module: CalibrationModule, variant: str) -> str 
               for s in module.spans]
     if all(c == lra for c, _ in chosen):
         return "lra"
-    if variant == "guarded_span" and all(c == "lra@span" or (c == lra and n == 1) for c, n in chosen):
+    if variant in ("guarded_span", "guarded_joint") and all(c == "lra@span" or (c == lra and n == 1) for c, n in chosen):
         return "lra_span"
+    if variant == "guarded_joint" and all(c == "lra+replaceme" for c, _ in chosen):
+        return "lra_replaceme"
     return None
 
 

@@ -14,7 +14,9 @@ the candidates
     (least squares) · with ``guarded_span``, at a span of two or more blocks: ``lra@span``, ONE LRA
     fitted to the whole span's update ``h_end − x`` at once (what ``granularity: span`` fits; the
     merged per-block LRAs are fitted block by block on the original's inputs, so their product is not
-    the least-squares map of the span; one more ``(d+1)²`` float64 statistic per such span)
+    the least-squares map of the span; one more ``(d+1)²`` float64 statistic per such span) · with
+    ``guarded_joint``, also ``lra+replaceme``: the span LRA and ReplaceMe's map fitted together
+    (:mod:`.joint`; two more ``(2d+1)(3d+1)`` float64 statistics per span, all windows and held-out)
 
 and, span after span (earlier spans at their chosen map, later spans at the plain LRA), runs the
 pruned model on the held-out windows with each candidate in place and keeps the one with the
@@ -71,3 +73,12 @@ class Guarded(Solver):
 class GuardedSpan(Guarded):
     name, label = "guarded_span", "+guarded (span LRA)"
     span_candidate = True
+
+
+@register
+class GuardedJoint(GuardedSpan):
+    name, label = "guarded_joint", "+guarded (span LRA, LRA & ReplaceMe)"
+    wraps = Guarded.wraps + ("lra_replaceme",)
+
+    def candidates(self, dim: int) -> list[Candidate]:
+        return super().candidates(dim) + [Candidate("lra+replaceme", "lra_replaceme")]

@@ -25,7 +25,7 @@ LABELS = {"original": "original", "pruned": "pruned", **{n: cls.label for n, cls
 GUARDS = tuple(n for n, cls in SOLVERS.items() if issubclass(cls, Guarded))
 #: Peers of the LRA in the comparisons (and the two ReplaceMe variants, whose better one is "ReplaceMe").
 PEERS = ("lra_span", "lra_anchored", "lra_auto", "lra_replaceme", "nobias", "affine", "replaceme", "replaceme_cosine",
-         "linearpatch", "lra_guard", "guarded", "guarded_span")
+         "linearpatch", "lra_guard", "guarded", "guarded_span", "guarded_joint")
 REPLACEME = ("replaceme", "replaceme_cosine")
 
 
@@ -290,7 +290,8 @@ def fidelity_summary(rows: list[dict], criteria: list[str], variants: list[str])
     if not sets:
         return []
     by = {(r["criterion"], r["variant"]): r for r in rows}
-    repairs = [v for v in ("lra", "lra_span", "lra_anchored", "lra_auto", "lra_replaceme", "guarded", "guarded_span", "nobias",
+    repairs = [v for v in ("lra", "lra_span", "lra_anchored", "lra_auto", "lra_replaceme", "guarded", "guarded_span",
+                           "guarded_joint", "nobias",
                            "lra_guard", "replaceme", "replaceme_cosine", "linearpatch", "affine") if v in variants]
     lines = ["## Closeness and harm, per repair", "",
              "Per repair, over the criteria where both rows have closeness numbers: **closer** = lower KL than "
