@@ -42,7 +42,9 @@ COLUMNS = (("wiki", "pruned", "pruned"), ("wiki", "lra", "+LRA"), ("wiki", "repl
            ("mixed", "lra_auto", "+LRA, fit chosen on held-out KL, mixed calib."),
            ("mixed", "replaceme", "+ReplaceMe (LS), mixed calib."),
            ("mixed", "replaceme_cosine", "+ReplaceMe (cosine), mixed calib."), ("mixed", "guarded", "+guarded, mixed calib."),
-           ("mixed", "guarded_span", "+guarded (span LRA), mixed calib."))
+           ("mixed", "guarded_span", "+guarded (span LRA), mixed calib."),
+           ("mixed", "lra_replaceme", "+LRA & ReplaceMe (joint), mixed calib."),
+           ("mixed", "guarded_joint", "+guarded (joint), mixed calib."))
 
 
 @dataclass
@@ -309,7 +311,9 @@ def _guard_table(doc: dict, cfg: FidelityTableConfig) -> list[str]:
         if not rows:
             continue
         what = ("per span, the candidate whose pruned model is closest to the original on held-out calibration "
-                "windows" + (", one LRA fitted to the whole span among the candidates" if gv == "guarded_span" else ""))
+                "windows" + {"guarded_span": ", one LRA fitted to the whole span among the candidates",
+                             "guarded_joint": ", one LRA fitted to the whole span and the joint LRA & ReplaceMe map "
+                                              "among the candidates"}.get(gv, ""))
         lines += ["", f"The do-no-harm guard `{gv}` ({what}) against pruning alone, where it ran (paired 95 % "
                   "bootstrap; ↑ / ↓: the interval lies above / below 0):", ""]
         for g, t in doc["targets"].items():
