@@ -35,7 +35,9 @@ class TargetsSummaryConfig:
     tables: list[str] = field(default_factory=lambda: ["results/fidelity.json", "results/fidelity_lra_span.json",
                                                        "results/fidelity_lra_anchored.json",
                                                        "results/fidelity_lra_auto.json",
-                                                       "results/fidelity_guarded_span.json"])
+                                                       "results/fidelity_guarded_span.json",
+                                                       "results/fidelity_lra_replaceme.json",
+                                                       "results/fidelity_guarded_joint.json"])
     grid: str = "mixed"
     """The calibration text whose rows are counted (the fidelity tables' grid name)."""
     robust_goal: float = 0.80
