@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import _common as C
+from anchored_check import closeness  # the held-out KL / top-1 of the grids' checks
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -41,7 +42,7 @@ from torch import nn  # noqa: E402
 from shift_lightning.arch import (Bypass, block_input, block_output, decoder_layers, final_norm, mlp_branch,  # noqa: E402
                                   swapped_blocks, with_block_input)
 from shift_lightning.data import TextDataConfig, TokenWindows, build_windows  # noqa: E402
-from shift_lightning.fidelity import kl_top1_from_hidden, lm_softcap, window_references  # noqa: E402
+from shift_lightning.fidelity import window_references  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
 from shift_lightning.stats import RidgeStats, ridge_solve  # noqa: E402
 
@@ -149,19 +150,6 @@ def states_at(model, windows: TokenWindows, j: int, batch: int = 4) -> torch.Ten
     finally:
         h.remove()
     return torch.cat(rows)
-
-
-@torch.no_grad()
-def closeness(model, windows: TokenWindows, refs: list, batch: int = 4) -> tuple[float, float]:
-    kls, agree = [], []
-    head, cap = model.get_output_embeddings(), lm_softcap(model)
-    for s in range(0, len(windows), batch):
-        ids, mask = windows.input_ids[s:s + batch], windows.attention_mask[s:s + batch]
-        hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        for b in range(ids.shape[0]):
-            k, a = kl_top1_from_hidden(hidden[b][mask[b].bool()], head, refs[s + b], cap)
-            kls.append(k), agree.append(a)
-    return torch.cat(kls).mean().item(), torch.cat(agree).float().mean().item()
 
 
 def main(argv=None):
