@@ -1,9 +1,10 @@
 """The distributed solve: job ``n`` runs on rank ``n mod world``, its map is broadcast to every rank.
 
 Every solver returns a :class:`~shift_lightning.stats.Solution` of known shapes (``W (d, d)``,
-``b (d,)``, ``U, V (d, r)`` when low rank, a branch map ``T (d, d)`` beside the adapter, ``λ``), so the broadcast is the same for every map; its
-small ``info`` dict (and any :class:`~shift_lightning.stats.SolveError`) travels as an object, so a
-failed solve raises the same one-line error on every rank.
+``b (d,)``, ``U, V (d, r)`` when low rank, a branch map ``T (d, d)`` beside the adapter for the joint
+solver, ``λ``), so the broadcast is the same for every map; its small ``info`` dict (and any
+:class:`~shift_lightning.stats.SolveError`) travels as an object, so a failed solve raises the same
+one-line error on every rank.
 """
 
 from __future__ import annotations
