@@ -2,9 +2,9 @@
 
 Every solver returns a :class:`~shift_lightning.stats.Solution` of known shapes (``W (d, d)``,
 ``b (d,)``, ``U, V (d, r)`` when low rank, a branch map ``T (d, d)`` beside the adapter for the joint
-solver, ``λ``), so the broadcast is the same for every map; its small ``info`` dict (and any
-:class:`~shift_lightning.stats.SolveError`) travels as an object, so a failed solve raises the same
-one-line error on every rank.
+solver, ``λ``), so the broadcast is the same for every map. The owner's small ``info`` dict, which
+tensors it filled (and any :class:`~shift_lightning.stats.SolveError`) travel first, as an object: a
+failed solve raises the same one-line error on every rank, and every rank sizes the buffers alike.
 """
 
 from __future__ import annotations
@@ -47,27 +47,28 @@ def solve_shared(jobs: list[Job], dim: int, device) -> list[Solution]:
     for n, job in enumerate(jobs):
         owner = n % world
         r = job.solver.rank(dim)
-        f64 = dict(dtype=torch.float64, device=device)
-        W, b, lam = torch.zeros(dim, dim, **f64), torch.zeros(dim, **f64), torch.zeros(1, **f64)
-        U, V = torch.zeros(dim, r or 1, **f64), torch.zeros(dim, r or 1, **f64)
-        T = torch.zeros(dim, dim, **f64) if "joint" in job.solver.needs else torch.zeros(1, 1, **f64)
-        meta: dict = {}
+        sol, meta = None, {}
         if me == owner:
             try:
                 job.solver.device = device
                 sol = job.solver.fit(job.stats)
-                W.copy_(sol.W), b.copy_(sol.b), lam.fill_(sol.lam)
-                if r and sol.U is not None:
-                    U.copy_(sol.U), V.copy_(sol.V)
-                if sol.T is not None:
-                    T.copy_(sol.T)
                 meta = {"kind": sol.kind, "info": sol.info, "low_rank": sol.U is not None, "T": sol.T is not None}
             except SolveError as e:
                 meta = {"error": str(e)}
-        dist.broadcast_tensors([W, b, U, V, T, lam], src=owner)
-        meta = _broadcast_object(meta, owner)
+        meta = _broadcast_object(meta, owner)  # first: every rank then knows the shapes (or the error)
         if "error" in meta:
             raise SolveError(meta["error"])
+        f64 = dict(dtype=torch.float64, device=device)
+        W, b, lam = torch.zeros(dim, dim, **f64), torch.zeros(dim, **f64), torch.zeros(1, **f64)
+        U, V = torch.zeros(dim, r or 1, **f64), torch.zeros(dim, r or 1, **f64)
+        T = torch.zeros(dim, dim, **f64) if meta["T"] else torch.zeros(1, 1, **f64)
+        if sol is not None:
+            W.copy_(sol.W), b.copy_(sol.b), lam.fill_(sol.lam)
+            if r and sol.U is not None:
+                U.copy_(sol.U), V.copy_(sol.V)
+            if sol.T is not None:
+                T.copy_(sol.T)
+        dist.broadcast_tensors([W, b, U, V, T, lam], src=owner)
         if not torch.isfinite(W).all():
             raise SolveError(f"{job.site.name}: the {job.solver.name} solve failed on rank {owner}; increase "
                              "--calibration.damping")
