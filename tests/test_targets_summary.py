@@ -45,7 +45,7 @@ def test_render_orders_by_model_and_names_a_missing_table(tmp_path):
         paths.append(str(p))
     out = render(TargetsSummaryConfig(tables=paths, out=str(tmp_path / "t")))
     md = out.with_suffix(".md").read_text()
-    assert "| m | `lra` | 4 of 4 | 4 of 4 ✓ | 1 of 4 ✗ | 81.0 [71.0, 91.0] (a) ✓ | 4 of 4 ✓ | 1 of 4 ✗ |" in md
+    assert "| m | `lra` | 4 of 4 | 4 of 4 ✓ | 1 of 4 ✗ | 81.0 [71.0, 91.0] (a) ✓ | 4 of 4 ✓ | 1 of 4 ✗ | – |" in md
     assert [x["repair"] for x in json.loads(out.with_suffix(".json").read_text())["lines"]] == ["lra", "lra_auto"]
     with pytest.raises(FileNotFoundError, match="fidelity_table --repair"):
         render(TargetsSummaryConfig(tables=[*paths, str(tmp_path / "nope.json")], out=str(tmp_path / "t")))
@@ -58,6 +58,28 @@ def test_the_committed_summary_is_the_committed_fidelity_tables(tmp_path, monkey
     out = render(TargetsSummaryConfig(out=str(tmp_path / "t")))
     assert json.loads(out.with_suffix(".json").read_text())["lines"] == committed["lines"]
     assert out.with_suffix(".md").read_text() == (ROOT / "results" / "targets.md").read_text()
+
+
+def test_closer_than_the_default_counts_criteria_where_both_ran_and_every_set_is_lower(tmp_path):
+    """The switch rules' first clause: lower KL than the default repair on every set, per criterion where both ran."""
+    doc = _doc("joint", CRITERIA, CRITERIA, [], 0.7, CRITERIA, CRITERIA)
+
+    def cell(*kl):
+        return {"kl": dict(zip(("wiki", "lambada", "tasks"), kl))}
+
+    rows = doc["models"][0]["rows"]
+    rows[0]["cells"] = {"mixed:lra": cell(1.0, 1.0, 1.0), "mixed:joint": cell(0.9, 0.8, 0.9)}   # closer
+    rows[1]["cells"] = {"mixed:lra": cell(1.0, 1.0, 1.0), "mixed:joint": cell(0.9, 1.01, 0.9)}  # one set further
+    rows[2]["cells"] = {"mixed:lra": cell(1.0, 1.0, 1.0), "mixed:joint": cell(1.0, 0.5, 0.5)}   # a tie is not closer
+    rows[3]["cells"] = {"mixed:joint": cell(0.1, 0.1, 0.1), "wiki:lra": cell(1.0, 1.0, 1.0)}    # default not run here
+    line = summarize(doc, TargetsSummaryConfig())[0]
+    assert line["closer_than_default"] == [1, 3]
+    assert summarize(_doc("lra", CRITERIA, CRITERIA, [], 0.7, CRITERIA, CRITERIA),
+                     TargetsSummaryConfig())[0]["closer_than_default"] is None
+    p = tmp_path / "joint.json"
+    p.write_text(json.dumps(doc))
+    md = render(TargetsSummaryConfig(tables=[str(p)], out=str(tmp_path / "t"))).with_suffix(".md").read_text()
+    assert "| closer than `lra` |" in md and md.rstrip().endswith("| 4 of 4 ✓ | 4 of 4 ✗ | 1 of 3 |")
 
 
 def test_each_significant_fall_is_listed_with_its_interval_and_the_task_that_fell_most(tmp_path):

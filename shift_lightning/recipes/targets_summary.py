@@ -14,6 +14,10 @@ model, is one look rather than four files:
 * **KL vs ReplaceMe**: lower KL on every set than the better ReplaceMe fitted on the same text, under
   every criterion;
 * **Robust vs ReplaceMe**: higher Robust than that ReplaceMe under at least ``robust_above`` criteria.
+
+Beside the targets, for every repair but the ``default``: under how many of the criteria where both
+have run it is closer than the default repair (lower KL on every held-out set), the first clause of the
+README's switch rules for a new default.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class TargetsSummaryConfig:
     robust_goal: float = 0.80
     robust_above: int = 8
     """Criteria (of all) under which the repair must beat the better ReplaceMe on Robust."""
+    default: str = "lra"
+    """The default repair, which the others are compared with (closer on every set or not)."""
     out: str = "results/targets"
 
 
@@ -68,6 +74,22 @@ def _falls(model: dict, grid: str, harm: list[str]) -> list[dict]:
              "avg_towards_original": by.get(c, {}).get("avg_towards_original")} for c in harm]
 
 
+def closer_than(model: dict, grid: str, repair: str, other: str) -> list[int] | None:
+    """``[k, n]``: of the ``n`` criteria where both ``repair`` and ``other`` have a row on ``grid``, the ``k``
+    where ``repair`` has the lower KL on every held-out set (None when ``repair`` is ``other``)."""
+    if repair == other:
+        return None
+    hits = n = 0
+    for r in model["rows"]:
+        cells = r.get("cells", {})
+        a, b = cells.get(f"{grid}:{repair}"), cells.get(f"{grid}:{other}")
+        if not (a and b and a.get("kl") and b.get("kl")):
+            continue
+        n += 1
+        hits += all(a["kl"][s] < b["kl"][s] for s in b["kl"])
+    return [hits, n]
+
+
 def summarize(doc: dict, cfg: TargetsSummaryConfig) -> list[dict]:
     """One line per model of a fidelity table: its counts for ``cfg.grid`` and each target's status."""
     lines = []
@@ -84,6 +106,7 @@ def summarize(doc: dict, cfg: TargetsSummaryConfig) -> list[dict]:
             "harm_criteria": t["harm"], "falls": _falls(m, cfg.grid, t["harm"]), "best_robust": b,
             "kl_below_replaceme": [len(t["kl_below_replaceme"]), rm],
             "robust_above_replaceme": [len(t["robust_above_replaceme"]), rm],
+            "closer_than_default": closer_than(m, cfg.grid, doc["repair"], cfg.default),
             "status": {
                 "closer": _all_of(len(t["closer"]), t["closer_of"], total),
                 "no_harm": _all_of(t["harm_of"] - len(t["harm"]), t["harm_of"], total),
@@ -104,10 +127,12 @@ def markdown(lines: list[dict], cfg: TargetsSummaryConfig) -> str:
            "[--repair …]`); ✓ met, ✗ not met, … open (criteria not run yet could change it). Targets: closer "
            "than pruning on every set under every criterion; significantly below pruning on Avg or Robust under "
            f"none; the best criterion keeps ≥ {goal} % Robust; lower KL on every set than the better ReplaceMe "
-           f"under every criterion and higher Robust under ≥ {cfg.robust_above}.", "",
+           f"under every criterion and higher Robust under ≥ {cfg.robust_above}. Last column: under how many of "
+           f"the criteria where both have run the repair is closer than the default `{cfg.default}` on every set (a tie, "
+           "e.g. the same map at one-block sites, is not closer).", "",
            "| model | repair | criteria run | closer than pruning | significantly below pruning | best Robust "
-           "(criterion) | lower KL than ReplaceMe | higher Robust than ReplaceMe |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+           f"(criterion) | lower KL than ReplaceMe | higher Robust than ReplaceMe | closer than `{cfg.default}` |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for x in lines:
         s, b = x["status"], x["best_robust"]
         out.append(f"| {x['model']} | `{x['repair']}` | {x['criteria']} of {x['of']} | "
@@ -116,7 +141,7 @@ def markdown(lines: list[dict], cfg: TargetsSummaryConfig) -> str:
                    f"{fmt_ci(b['robust'], b['robust_ci'])} ({b['criterion']}){_mark(s['robust'])} | "
                    f"{x['kl_below_replaceme'][0]} of {x['kl_below_replaceme'][1]}{_mark(s['kl_vs_replaceme'])} | "
                    f"{x['robust_above_replaceme'][0]} of {x['robust_above_replaceme'][1]}"
-                   f"{_mark(s['robust_vs_replaceme'])} |")
+                   f"{_mark(s['robust_vs_replaceme'])} | {_count(x.get('closer_than_default'))} |")
     falls = [x for x in lines if x.get("falls")]
     if falls:
         out += ["", "Where a repair is significantly below pruning (paired difference, repaired − pruned, with its "
@@ -126,6 +151,10 @@ def markdown(lines: list[dict], cfg: TargetsSummaryConfig) -> str:
         for x in falls:
             out.append(f"- {x['model']} `{x['repair']}`: " + "; ".join(_fall(f) for f in x["falls"]))
     return "\n".join(out) + "\n"
+
+
+def _count(kn: list[int] | None) -> str:
+    return "–" if not kn or not kn[1] else f"{kn[0]} of {kn[1]}"
 
 
 def _fall(f: dict) -> str:
@@ -154,7 +183,8 @@ def render(cfg: TargetsSummaryConfig) -> Path:
     lines = sorted((x for d in docs for x in summarize(d, cfg)), key=lambda x: models.index(x["model"]))
     out = Path(cfg.out)
     write_json_atomic(out.with_suffix(".json"), {"grid": cfg.grid, "robust_goal": cfg.robust_goal,
-                                                 "robust_above": cfg.robust_above, "tables": cfg.tables,
+                                                 "robust_above": cfg.robust_above, "default": cfg.default,
+                                                 "tables": cfg.tables,
                                                  "lines": lines})
     write_text_atomic(out.with_suffix(".md"), markdown(lines, cfg))
     return out
