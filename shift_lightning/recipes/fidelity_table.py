@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..outputs import write_json_atomic, write_text_atomic
 from .harness import model_key
-from .tables.common import fmt_change, fmt_ci, fmt_diff, fmt_kl, set_label
+from .tables.common import fmt_change, fmt_ci, fmt_diff, fmt_kl, lower_kl_everywhere, set_label
 from .tables.paper import GUARDS, REPLACEME, load_runs
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def _against_pruned(boot, named: dict, name: str, pruned: str) -> dict:
     """Is ``name`` closer than pruning alone on every set, and never significantly below it on Avg or
     Robust (paired on the same docs)?"""
     vs_pruned = boot.difference(name, pruned)
-    return {"closer": all(named[name]["kl"][s] < named[pruned]["kl"][s] for s in named[name]["kl"]),
+    return {"closer": lower_kl_everywhere(named[name]["kl"], named[pruned]["kl"]),
             "vs_pruned": vs_pruned,
             "no_harm": vs_pruned["avg_diff_ci"][1] >= 0 and vs_pruned["robust_diff_ci"][1] >= 0}
 
@@ -155,7 +155,7 @@ def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
                 best = min(peers, key=lambda n: _mean_kl(named[n]))
                 t["replaceme"] = {"variant": best.split("/")[-1], "kl": named[best]["kl"], **boot.summary(best),
                                   "diff": boot.difference(name, best)}
-                t["kl_below_replaceme"] = all(run["kl"][s] < named[best]["kl"][s] for s in run["kl"])
+                t["kl_below_replaceme"] = lower_kl_everywhere(run["kl"], named[best]["kl"])
                 t["robust_above_replaceme"] = t["robust"] > t["replaceme"]["robust"]
                 t["robust_below_replaceme_significantly"] = t["replaceme"]["diff"]["robust_diff_ci"][1] < 0
             anywhere = [f"{h}:{crit}/{m}" for h in grids for m in REPLACEME if f"{h}:{crit}/{m}" in named]

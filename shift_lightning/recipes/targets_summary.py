@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..outputs import write_json_atomic, write_text_atomic
-from .tables.common import fmt_change, fmt_ci, fmt_diff
+from .tables.common import fmt_change, fmt_ci, fmt_diff, lower_kl_everywhere
 
 MET, NOT_MET, OPEN = "met", "not met", "open"
 
@@ -86,7 +86,7 @@ def closer_than(model: dict, grid: str, repair: str, other: str) -> list[int] | 
         if not (a and b and a.get("kl") and b.get("kl")):
             continue
         n += 1
-        hits += all(a["kl"][s] < b["kl"][s] for s in b["kl"])
+        hits += lower_kl_everywhere(a["kl"], b["kl"])
     return [hits, n]
 
 

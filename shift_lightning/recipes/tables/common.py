@@ -54,3 +54,8 @@ def blocks_label(layers) -> str:
     from ...calibration import contiguous_spans
 
     return ", ".join(f"{s}" if e - s == 1 else f"{s}–{e - 1}" for s, e in contiguous_spans(layers))
+
+
+def lower_kl_everywhere(kl: dict, ref: dict) -> bool:
+    """Whether ``kl`` (set -> KL) is below ``ref`` on every held-out set (a tie is not below)."""
+    return all(kl[s] < ref[s] for s in kl)
