@@ -70,7 +70,7 @@ def test_independent_solution_equals_float64_reference(tiny64):
     model, tok = copy.deepcopy(tiny64[0]), tiny64[1]
     win = _windows(tok, seq_len=512, packing=False)  # padded windows: padding must be masked out
     assert (win.attention_mask == 0).any()
-    cfg = CalibrationConfig(damping=1e-3, merge=False)
+    cfg = CalibrationConfig(solver="lra", damping=1e-3, merge=False)
     mod = CalibrationModule(model, [1, 3, 4], cfg)
     mod.calibrate(_trainer(), win, batch_size=3)
     for site in mod.sites:
@@ -103,7 +103,7 @@ def test_padding_is_masked(tiny64):
 def test_sequential_mode_sees_corrected_hidden_states(tiny64):
     model, tok = copy.deepcopy(tiny64[0]), tiny64[1]
     win = _windows(tok)
-    mod = CalibrationModule(model, [1, 3], CalibrationConfig(mode="sequential", damping=1e-3))
+    mod = CalibrationModule(model, [1, 3], CalibrationConfig(solver="lra", mode="sequential", damping=1e-3))
     mod.calibrate(_trainer(), win)
     # site 1 (block 3) must be fitted on the model where block 1 is already replaced by its adapter
     ref = copy.deepcopy(tiny64[0])
@@ -113,7 +113,7 @@ def test_sequential_mode_sees_corrected_hidden_states(tiny64):
     W, b = _ridge(x, d, 1e-3)
     assert_close(mod.solution(mod.sites[1]).W, W, rtol=1e-8, atol=1e-10)
     # ... and that differs from the independent fit
-    ind = CalibrationModule(copy.deepcopy(tiny64[0]), [1, 3], CalibrationConfig(damping=1e-3))
+    ind = CalibrationModule(copy.deepcopy(tiny64[0]), [1, 3], CalibrationConfig(solver="lra", damping=1e-3))
     ind.calibrate(_trainer(), win)
     assert not torch.allclose(ind.solution(ind.sites[1]).W, mod.solution(mod.sites[1]).W, atol=1e-6)
     assert_close(ind.solution(ind.sites[0]).W, mod.solution(mod.sites[0]).W)  # first site identical
@@ -127,7 +127,8 @@ def test_anchored_mode_fits_the_corrected_states_to_the_originals(tiny64):
     win = _windows(tiny64[1])
     fits = {}
     for mode in ("anchored", "sequential"):
-        fits[mode] = CalibrationModule(copy.deepcopy(tiny64[0]), [1, 3], CalibrationConfig(mode=mode, damping=1e-3))
+        fits[mode] = CalibrationModule(copy.deepcopy(tiny64[0]), [1, 3],
+                                       CalibrationConfig(solver="lra", mode=mode, damping=1e-3))
         fits[mode].calibrate(_trainer(), win)
     mod = fits["anchored"]
     ref = copy.deepcopy(tiny64[0])
@@ -155,7 +156,7 @@ def test_merged_adapters_equal_the_chain(tiny64):
     outs = []
     for merge in (True, False):
         m = copy.deepcopy(model)
-        mod = CalibrationModule(m, [2, 3, 4], CalibrationConfig(merge=merge, rank=8))
+        mod = CalibrationModule(m, [2, 3, 4], CalibrationConfig(solver="lra", merge=merge, rank=8))
         mod.calibrate(_trainer(), win)
         ads = mod.adapters_by_position()
         assert list(ads) == [2]
@@ -169,7 +170,7 @@ def test_merged_adapters_equal_the_chain(tiny64):
 def test_span_granularity_fits_one_adapter_per_run(tiny64):
     model, tok = copy.deepcopy(tiny64[0]), tiny64[1]
     win = _windows(tok)
-    mod = CalibrationModule(model, [1, 2, 4], CalibrationConfig(granularity="span", damping=1e-3))
+    mod = CalibrationModule(model, [1, 2, 4], CalibrationConfig(solver="lra", granularity="span", damping=1e-3))
     mod.calibrate(_trainer(), win)
     assert [(s.start, s.end) for s in mod.sites] == [(1, 3), (4, 5)]
     x, d = _capture(model, win, 1, 3)
@@ -191,7 +192,7 @@ def test_pipeline_writes_reloadable_model(tmp_path):
     rep = run_calibration(
         model=ModelConfig(tiny={"family": "qwen2"}), data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
         heldout=TextDataConfig(source=HELDOUT, num_samples=4, seq_len=48),
-        prune=PruneConfig(ratio=0.5, criterion="reverse_star"), calibration=CalibrationConfig(rank=4),
+        prune=PruneConfig(ratio=0.5, criterion="reverse_star"), calibration=CalibrationConfig(solver="lra", rank=4),
         trainer={"accelerator": "cpu", "enable_progress_bar": False}, output_dir=str(out))
     saved = json.loads((out / "calibration_report.json").read_text())
     assert saved["pruned_layers"] == [2, 3, 4] and rep.report.pruned_layers == [2, 3, 4]
@@ -251,6 +252,7 @@ def test_bad_data_and_numerics(tmp_path):
     with pytest.raises(SolveError, match=r"site 0 \(blocks 1\.\.1\).*non-finite.*float32"):
         run_calibration(built=(model, tok), data=TextDataConfig(source=CORPUS, num_samples=4, seq_len=32),
                         heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[1, 2]),
+                        calibration=CalibrationConfig(solver="lra"),
                         trainer={"accelerator": "cpu", "enable_progress_bar": False})
 
 
@@ -260,23 +262,29 @@ def test_adapter_rank_is_checked_against_the_hidden_size(tiny64, tmp_path, caplo
     model, tok = tiny64
     d = model.config.hidden_size
     with pytest.raises(ConfigError, match=rf"rank {d + 1} exceeds the model's hidden size d = {d}.*null for full rank"):
-        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(rank=d + 1))
+        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra", rank=d + 1))
+    # the joint map has no low-rank form, nor a sequential fit: both errors name the solver to set
+    with pytest.raises(ConfigError, match=r"rank applies to the lra / nobias solvers, not to 'lra_replaceme'.*"
+                                          r"--calibration.solver lra"):
+        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_replaceme", rank=8))
+    with pytest.raises(ConfigError, match=r"mode sequential fits one solver.*lra_replaceme here.*--calibration.solver lra"):
+        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_replaceme", mode="sequential"))
     with pytest.raises(ConfigError, match=rf"guard_ranks \[{d + 5}\] exceed"):
         CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="guarded", guard_ranks=[4, d + 5]))
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match="exceeds the model's hidden size"):  # early: no pass, no folder
         run_calibration(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
-                        prune=PruneConfig(ratio=0.5, criterion="angular"), calibration=CalibrationConfig(rank=10_000),
+                        prune=PruneConfig(ratio=0.5, criterion="angular"), calibration=CalibrationConfig(solver="lra", rank=10_000),
                         output_dir=str(out))
     assert not out.exists()
     win = _windows(tok)
     with caplog.at_level("WARNING", logger="shift_lightning.calibration.config"):
-        half = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(rank=d // 2, damping=1e-3))
+        half = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra", rank=d // 2, damping=1e-3))
     assert "no smaller than the full-rank one" in caplog.text
     caplog.clear()
-    full = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(rank=d, damping=1e-3))
+    full = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra", rank=d, damping=1e-3))
     assert caplog.text == ""
-    ref = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(damping=1e-3))
+    ref = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra", damping=1e-3))
     for mod in (half, full, ref):
         mod.calibrate(_trainer(), win)
     assert half.solution(half.sites[0]).U.shape == (d, d // 2)
@@ -297,9 +305,9 @@ def _cli(*args, world=1, env_extra=None):
 
 @pytest.mark.parametrize("extra", [
     [],
-    ["--calibration.mode", "sequential", "--calibration.rank", "8", "--prune.layers", "null",
+    ["--calibration.solver", "lra", "--calibration.mode", "sequential", "--calibration.rank", "8", "--prune.layers", "null",
      "--prune.criterion", "angular", "--prune.ratio", "0.5"],  # data-driven selection under DDP too
-    ["--calibration.mode", "anchored", "--calibration.granularity", "block", "--prune.layers", "[1, 3, 4]"],
+    ["--calibration.solver", "lra", "--calibration.mode", "anchored", "--calibration.granularity", "block", "--prune.layers", "[1, 3, 4]"],
     ["--calibration.solver", "lra_auto", "--calibration.mode", "auto", "--prune.layers", "[1, 3, 4]"],
     ["--calibration.solver", "lra_replaceme", "--prune.layers", "[0, 2, 3]"],  # a span with a branch before it, one without
 ])
@@ -370,6 +378,7 @@ def test_pipeline_evaluates_original_pruned_and_corrected(tmp_path):
     rep = run_calibration(model=ModelConfig(tiny={"family": "llama"}),
                           data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
                           heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[2, 3]),
+                          calibration=CalibrationConfig(solver="lra"),
                           trainer={"accelerator": "cpu", "enable_progress_bar": False}, output_dir=str(tmp_path / "o"),
                           evaluate=ev, evaluate_baselines=True)
     evals = rep.report.evaluation

@@ -72,12 +72,13 @@ def test_calibrate_errors_are_one_line(tmp_path, capsys):
 
 def test_failed_solve_is_one_line(tmp_path, capsys, monkeypatch):
     from shift_lightning import stats
-    from shift_lightning.calibration.solvers import ridge
+    from shift_lightning.calibration.solvers import joint, ridge
 
     def failing(*a, **k):
         raise stats.SolveError("site 0 (blocks 2..2): Cholesky failed; raise --calibration.damping")
 
-    monkeypatch.setattr(ridge, "ridge_solve", failing)
+    for solvers in (ridge, joint):  # the LRA family's and the default joint map's solve
+        monkeypatch.setattr(solvers, "ridge_solve", failing)
     line = _one_line_error(cli.calibrate_main, ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"),
                                                 "--trainer.enable_progress_bar", "false"], capsys)
     assert "Cholesky failed; raise --calibration.damping" in line and not (tmp_path / "o").exists()

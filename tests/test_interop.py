@@ -18,6 +18,7 @@ from torch import nn
 from harness_data import write_local_tasks
 from shift_lightning import load_pretrained
 from shift_lightning.arch import decoder_layers
+from shift_lightning.calibration import CalibrationConfig
 from shift_lightning.checkpoint import save_pretrained
 from shift_lightning.lra import AdapterSpec, LinearResidualAdapter
 from shift_lightning.models import build_tiny_model
@@ -298,9 +299,10 @@ def test_model_card_says_what_was_done_and_measured(tmp_path):
     meta = _front_matter(card)
     assert meta["license"] == "other" and meta["library_name"] == "transformers" and "depth-pruning" in meta["tags"]
     params = sum(p.numel() for p in res.model.model.shift_adapters.parameters())
-    for needle in ("2 of 6: `[2, 3]`", "chosen by `explicit`", "`lra`", f"{params:,} parameters",
+    solver = CalibrationConfig().solver  # the default map
+    for needle in ("2 of 6: `[2, 3]`", "chosen by `explicit`", f"`{solver}`", f"{params:,} parameters",
                    "8 × 48 tokens", "`python calibrate.py --config tiny.yaml --output_dir m`",
-                   "| arc_easy (acc, n=6) |", "| PPL ", "KL(original ‖ model)", "top-1 agreement", "original", "pruned+lra",
+                   "| arc_easy (acc, n=6) |", "| PPL ", "KL(original ‖ model)", "top-1 agreement", "original", f"pruned+{solver}",
                    "trust_remote_code=True", "a randomly initialised test model"):
         assert needle in card, needle
     # an adapter-only folder has a card too, saying so

@@ -177,7 +177,7 @@ def _job(tmp_path, name, steps=8, callbacks=(), ckpt_path=None, train_lra=True, 
     return run_training(trainer, model=ModelConfig(tiny={"family": "llama"}),
                         data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
                         heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[2, 3]),
-                        calibration=CalibrationConfig(), train_data=data, val=val,
+                        calibration=CalibrationConfig(solver="lra"), train_data=data, val=val,
                         recovery=RecoveryConfig(method=method, train_lra=train_lra, lora_r=4, lr=2e-3, warmup_steps=2,
                                                 **recovery),
                         output_dir=str(out), ckpt_path=ckpt_path)

@@ -58,7 +58,8 @@ class CalibrationModule(DataPass):
                 self.solvers.setdefault(inner, get_solver(inner, cfg))
         if cfg.mode != "independent" and (len(self.requested) > 1 or not self.solvers[self.requested[0]].sequential):
             raise ConfigError(f"--calibration.mode {cfg.mode} fits one solver of the LRA family (lra, nobias, affine); "
-                              "the others are fitted on the original model (independent)")
+                              f"the others ({', '.join(self.requested)} here) are fitted on the original model: set "
+                              "--calibration.solver lra (or nobias / affine), or --calibration.mode independent")
         self.removed = sorted(removed)
         self.num_layers = len(decoder_layers(model))  # the original depth (the model may be pruned later)
         self.dim = model.config.hidden_size

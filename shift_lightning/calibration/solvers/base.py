@@ -64,7 +64,8 @@ class Solver:
         self.cfg = cfg
         self.device = None  # where iterative solvers run (set by the module)
         if cfg.rank is not None and not self.low_rank:
-            raise ConfigError(f"--calibration.rank applies to the lra / nobias solvers, not to {self.name!r}")
+            raise ConfigError(f"--calibration.rank applies to the lra / nobias solvers, not to {self.name!r}: set "
+                              "--calibration.solver lra (or nobias) for a low-rank adapter, or drop --calibration.rank")
         if cfg.mode == "auto" and self.mode != "auto":
             raise ConfigError(f"--calibration.mode auto chooses the LRA's fit on held-out windows; it fits the "
                               f"lra_auto solver, not {self.name!r}: set --calibration.solver lra_auto")
