@@ -219,6 +219,43 @@ def test_joint_lra_and_replaceme_recovers_a_span_linear_in_x_and_the_branch_and_
         assert_close(m2(input_ids=ids, use_cache=False).logits, out, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("holdout", [False, True])
+def test_a_site_with_joint_statistics_takes_its_io_from_them(tiny, holdout):
+    """``io`` is not accumulated again where ``joint`` is (a block of it, copied out after the pass): the same
+    sums as a pass that gathers ``io`` alone, held-out copies included, spans at block 0 (no joint) untouched."""
+    from shift_lightning.calibration.collect import Collector, StopForward
+    from shift_lightning.calibration.sites import Site
+
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    win = _windows(tok, seq_len=512)
+    assert (win.attention_mask == 0).any()  # padding, masked out of every sum
+    sites = [Site(0, 0, 1), Site(1, 2, 4)]
+    k = 4 if holdout else None
+    both = Collector(model.config.hidden_size, [(s, {"io", "joint"}) for s in sites], holdout_every=k)
+    alone = Collector(model.config.hidden_size, [(s, {"io"}) for s in sites], holdout_every=k)
+    for col in (both, alone):
+        col.allocate("cpu")
+        for i in range(0, 8, 4):
+            col.batch(win.attention_mask[i:i + 4].bool(), torch.arange(i, i + 4))
+            handles = col.install(model)
+            try:
+                with torch.no_grad():
+                    model(input_ids=win.input_ids[i:i + 4], attention_mask=win.attention_mask[i:i + 4],
+                          use_cache=False)
+            except StopForward:
+                pass
+            finally:
+                for h in handles:
+                    h.remove()
+        col.derive()
+    assert both.stats[(0, 1)].joint is None and both.stats[(2, 4)].joint is not None
+    for key in ((0, 1), (2, 4)):
+        for attr in ("io", "held_io") if holdout else ("io",):
+            a, b = getattr(both.stats[key], attr), getattr(alone.stats[key], attr)
+            assert a.num_tokens == b.num_tokens > 0
+            assert_close(a.buffer, b.buffer, rtol=1e-10, atol=1e-8)
+
+
 def test_guarded_joint_judges_the_joint_map_on_held_out_windows_and_keeps_it_where_it_is_exact():
     model, tok = _joint_span_model("llama")
     win = _windows(tok)

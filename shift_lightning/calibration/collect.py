@@ -19,6 +19,10 @@ With ``holdout_every = k`` every k-th window (``index % k == k − 1``) is *also
 copies of ``io`` and ``branch`` (``held_io``, ``held_branch``): the guards fit on the rest
 (:meth:`SiteStatistics.fitting`) and judge on those. Padding tokens never reach a sum. The hook at
 the last site's block raises :class:`StopForward`: the pass never runs further than it needs.
+
+Where a site has ``joint``, its ``io`` is not accumulated a second time: ``[x, 1]ᵀ[x, 1, Δ]`` is a block of
+``[x, m, 1]ᵀ[x, m, 1, Δ]``, copied out by :meth:`Collector.derive` after the pass (``2d²`` of the ``8d²``
+products per token and span the two would take, about a quarter of the joint map's extra statistics).
 """
 
 from __future__ import annotations
@@ -181,6 +185,22 @@ class Collector:
             self.stats[site.key] = st
         return self.stats
 
+    def derive(self) -> None:
+        """After the pass (and its all-reduce): each site's ``io`` (and ``held_io``) copied out of its ``joint``
+        (``held_joint``) where it has one: the rows and columns of ``x`` and of the ones column. The same sums
+        as accumulating ``io`` itself, up to float64 rounding."""
+        d = self.dim
+        idx = torch.cat([torch.arange(d), torch.tensor([2 * d])])
+        for st in self.stats.values():
+            for io, joint in ((st.io, st.joint), (st.held_io, st.held_joint)):
+                if io is None or joint is None:
+                    continue
+                i = idx.to(joint.G.device)
+                io.G.copy_(joint.G[i][:, i])
+                io.C.copy_(joint.C[i])
+                io.yy.copy_(joint.yy)
+                io.scheme = joint.scheme
+
     def batch(self, mask: torch.Tensor, windows: torch.Tensor | None) -> None:
         """The current batch's real-token mask ``(B, T)`` and window indices ``(B,)``."""
         self._mask, self._windows = mask, windows
@@ -218,7 +238,7 @@ class Collector:
                 for st in group:
                     x = inputs[st.site.start]
                     delta = y - x
-                    if st.io is not None:
+                    if st.io is not None and st.joint is None:  # with joint: a block of it (derive())
                         st.io.add_batch(x[m], delta[m])
                         if st.held_io is not None:
                             st.held_io.add_batch(x[held_mask], delta[held_mask])

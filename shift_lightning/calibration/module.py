@@ -119,6 +119,7 @@ class CalibrationModule(DataPass):
                                     self.cfg.cosine_max_tokens)
         self.stage = stage
         self.run(trainer, windows, batch_size)
+        self._collector.derive()
         return self._collector.stats
 
     def _sequential(self, trainer, windows, batch_size, on_site, stage):
