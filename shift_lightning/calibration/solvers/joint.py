@@ -25,8 +25,9 @@ corrected model is again an LRA plus a ReplaceMe map: saved, loaded and exported
 A span starting at block 0 has no branch before it: it gets the span LRA alone (noted).
 
 Statistics: ``[x, m, 1]ᵀ[x, m, 1, Δ]``, ``(2d+1)(3d+1)`` float64 per span (16 MB at d = 576, SmolLM2;
-20 MB at d = 640, Gemma3-270M; 805 MB at d = 4096), beside the span's ``(x, Δ)``; twice that under
-``guarded_joint`` (held-out copies).
+20 MB at d = 640, Gemma3-270M; 805 MB at d = 4096), beside the span's ``(x, Δ)``, which is copied out of it
+after the pass rather than accumulated again (``Collector.derive``); twice that under ``guarded_joint``
+(held-out copies). Per token and span about ``6d²`` products against the LRA's ``2d²``.
 """
 
 from __future__ import annotations
