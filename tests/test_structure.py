@@ -279,3 +279,7 @@ def test_solver_registry_and_config_choices_agree():
     assert set(typing.get_args(SolverName)) == set(SOLVERS)
     for name, cls in SOLVERS.items():
         assert cls.name == name and cls.label.startswith("+"), name
+    # ... and the README's table of flags lists each of them as a choice of --calibration.solver
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `--calibration.*`"))
+    listed = row.split("`solver` (", 1)[1].split(")", 1)[0]
+    assert {n.strip(" `") for n in listed.split(",")} == set(SOLVERS), listed
