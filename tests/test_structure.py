@@ -280,6 +280,17 @@ def test_solver_registry_and_config_choices_agree():
     for name, cls in SOLVERS.items():
         assert cls.name == name and cls.label.startswith("+"), name
     # ... and the README's table of flags lists each of them as a choice of --calibration.solver
-    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `--calibration.*`"))
-    listed = row.split("`solver` (", 1)[1].split(")", 1)[0]
-    assert {n.strip(" `") for n in listed.split(",")} == set(SOLVERS), listed
+    assert _readme_choices("--calibration.*", "solver") == set(SOLVERS)
+
+
+def _readme_choices(group: str, field: str) -> set[str]:
+    """The choices the README's table of flags lists for ``field`` in the row of ``group``."""
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| `{group}`"))
+    listed = row.split(f"`{field}` (", 1)[1].split(")", 1)[0]
+    return {n.strip(" `") for n in listed.split(",")}
+
+
+def test_readme_lists_every_criterion():
+    from shift_lightning.criteria.base import CRITERIA
+
+    assert _readme_choices("--prune.*", "criterion") == set(CRITERIA)
