@@ -87,10 +87,13 @@ class CalibrationReport:
         from .card import evaluation_table
 
         c = self.calibration
+        granularity = f"`{c['granularity']}`"
+        if c["granularity"] == "block" and any(len(s["blocks"]) > 1 for s in self.sites):
+            granularity += " (this solver fits one map per contiguous span)"
         lines = [f"# Calibration report: {self.model}", "",
                  f"- pruned blocks ({len(self.pruned_layers)}/{self.original_num_layers}): {self.pruned_layers} "
                  f"(criterion `{self.criterion}`)",
-                 f"- solver `{c['solver']}`, mode `{c['mode']}`, granularity `{c['granularity']}`, rank "
+                 f"- solver `{c['solver']}`, mode `{c['mode']}`, granularity {granularity}, rank "
                  f"{c['rank'] or 'full'}, relative damping {c['damping']:g}",
                  f"- calibration tokens {self.calibration_tokens:,}, held-out tokens {self.heldout_tokens:,}, "
                  f"world size {self.world_size}",

@@ -213,6 +213,9 @@ def test_pipeline_writes_reloadable_model(tmp_path):
     per_span = {**saved, "sites": [{"index": s["index"], "blocks": s["blocks"], "solvers": {}} for s in saved["sites"]]}
     md = CalibrationReport.from_dict(per_span).markdown()
     assert "| site |" not in md and "nan" not in md and md.startswith("# Calibration report")
+    assert "granularity `block`, rank" in md  # one site a block: the configured granularity, no note
+    joint = {**saved, "sites": [{"index": 0, "blocks": [2, 3, 4], "solvers": {}}]}  # a per-span solver's one site
+    assert "granularity `block` (this solver fits one map per contiguous span)" in CalibrationReport.from_dict(joint).markdown()
     m, tok = load_pretrained(out)
     ids = tok("Round trip", return_tensors="pt").input_ids
     assert torch.equal(m(ids).logits, rep.model(ids).logits)
