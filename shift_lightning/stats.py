@@ -13,8 +13,9 @@ Memory is independent of the number of tokens. The targets may have another widt
 rows of real tokens reach :meth:`RidgeStats.add_batch`). Sums over ranks are plain sums, so one
 all-reduce of the flat buffer gives the global statistics.
 
-Accumulation schemes (``accum``; the master sums are always float64). A batch's products are one
-GEMM ``[X,1]ᵀ [X,1,Δ]: (d+1, 2d+1)`` that yields ``G`` and ``C`` together:
+Accumulation schemes (``accum``; the master sums are always float64). A batch's products are
+``[X,1]ᵀ [X,1,Δ]: (d+1, 2d+1)``, ``G`` and ``C`` together (:func:`gram_products`: on CPU only the upper block
+triangle of the symmetric ``G`` is multiplied, the rest mirrored; on CUDA one GEMM):
 
     float64    the whole batch cast to float64, products in float64 (the reference)
     float32    chunks of ``chunk_tokens`` tokens, float32 products added into the float64 master
@@ -115,6 +116,34 @@ def chunk_products(A: torch.Tensor, R: torch.Tensor, scheme: str) -> torch.Tenso
     return (A.T @ R).double()
 
 
+#: Row-block width of :func:`gram_products` on CPU (``python benchmarks/gram.py``, one thread, 2,048 rows, float64;
+#: ``results/bench/gram_cpu.md``): 0.90 / 0.98 / 0.91 of the one GEMM's time for ``[x, 1]`` at d = 576 / 640 / 2048,
+#: 0.90 / 0.87 / 0.84 for the joint map's ``[x, m, 1]``; 128 is slower than the one GEMM.
+GRAM_BLOCK = 256
+
+
+def gram_products(R: torch.Tensor, p: int, scheme: str, block: int = GRAM_BLOCK) -> torch.Tensor:
+    """``R[:, :p]ᵀ R`` in float64, ``(p, q)``, for ``R: (n, q)``, ``p ≤ q``, under one accumulation ``scheme``.
+
+    Its leading ``(p, p)`` block is a Gram matrix, hence symmetric: on CPU the columns ``[0, p)`` are cut into
+    ``k ≈ p / block`` row blocks, each multiplied only against the columns from its own start on
+    (``R[:, s:e]ᵀ R[:, s:]``), and the blocks below the diagonal are the transposes of those above:
+    ``p²(k+1)/2k + p(q−p)`` products instead of ``pq`` (the joint map's ``[x, m, 1]ᵀ[x, m, 1, Δ]``, 6d² a token,
+    falls to about 4.4d² at d = 640). The same sums up to float rounding, and ``G`` exactly symmetric between
+    blocks. On CUDA (not measured there) and for ``k = 1``: the one GEMM.
+    """
+    k = max(1, round(p / block))
+    if k == 1 or R.device.type != "cpu":
+        return chunk_products(R[:, :p], R, scheme)
+    edges = [round(i * p / k) for i in range(k + 1)]
+    P = torch.empty(p, R.shape[1], dtype=torch.float64, device=R.device)
+    for s, e in zip(edges[:-1], edges[1:]):
+        P[s:e, s:] = chunk_products(R[:, s:e], R[:, s:], scheme)
+    for s, e in zip(edges[:-1], edges[1:]):
+        P[e:p, s:e] = P[s:e, e:p].T
+    return P
+
+
 class RidgeStats:
     """Streaming ``G = [X,1]ᵀ[X,1]``, ``C = [X,1]ᵀΔ`` and ``Σ‖Δ‖²`` for one site (see module doc).
 
@@ -173,7 +202,7 @@ class RidgeStats:
         for s in range(0, x.shape[0], step):
             xa = x[s: s + step]
             R = torch.cat([xa, xa.new_ones(xa.shape[0], 1), delta[s: s + step]], dim=1).to(work)  # [X, 1, Δ]
-            P = chunk_products(R[:, :d1], R, scheme)                # [X, 1]ᵀ [X, 1, Δ]   (d+1, 2d+1)
+            P = gram_products(R, d1, scheme)                        # [X, 1]ᵀ [X, 1, Δ]   (d+1, 2d+1)
             if not torch.isfinite(P[d]).all():
                 raise SolveError(
                     f"{self.name}: non-finite activations (inf/NaN) in the calibration pass. The model overflows "

@@ -126,3 +126,18 @@ def test_richer_maps_check_rows_and_its_x_m_fit_is_the_lra_replaceme_solver(tmp_
     assert [r["map"] for r in doc["rows"]][:6] == ["pruned (no map)", *R.FEATURES]
     assert [r["params"] for r in doc["rows"]][1:3] == [d * d + d, 2 * d * d + d]
     assert doc["text"] == "random tokens" and "| x, m |" in (tmp_path / "rm.md").read_text()
+
+
+def test_gram_benchmark_rows(tmp_path):
+    """``benchmarks/gram.py``: one row per width and statistics, every block width timed and checked against
+    the one GEMM."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gram
+
+    gram.main(["--dims", "24,40", "--blocks", "8,16", "--repeats", "1", "--tokens", "64", "--out", str(tmp_path / "g")])
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert [(r["d"], r["p"], r["q"]) for r in doc["results"]] == [(24, 25, 49), (24, 49, 73), (40, 41, 81), (40, 81, 121)]
+    for r in doc["results"]:
+        assert set(r["ratio"]) == set(r["max_rel_err"]) == {"8", "16"}  # JSON keys
+        assert max(r["max_rel_err"].values()) < 1e-12
+    assert "| 40 | [x, m, 1] (joint) |" in (tmp_path / "g.md").read_text()

@@ -193,3 +193,43 @@ def test_every_accumulation_scheme_is_close_to_float64(scheme, w_tol):
         ref = _stats(x.float().bfloat16().float(), delta.float().bfloat16().float(), batches=4,
                      accum_dtype="float32", chunk_tokens=2048)
         assert_close(s.G, ref.G, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("scheme", ["float64", "float32", "tf32", "bfloat16"])
+@pytest.mark.parametrize("p, block", [(23, 8), (23, 5), (17, 17), (40, 6)])
+def test_block_triangular_products_equal_the_one_gemm(scheme, p, block):
+    """``gram_products`` multiplies only the upper block triangle of the symmetric Gram block; the sums are the
+    one GEMM's (to rounding), the Gram block exactly symmetric between blocks."""
+    from shift_lightning.stats import chunk_products, gram_products
+
+    g = torch.Generator().manual_seed(p + block)
+    work = torch.float64 if scheme == "float64" else torch.float32
+    R = torch.randn(300, p + 11, generator=g, dtype=work)
+    R[:, 2] = 80.0 + 30.0 * R[:, 2]  # an outlier channel
+    P, full = gram_products(R, p, scheme, block=block), chunk_products(R[:, :p], R, scheme)
+    assert P.dtype == torch.float64 and P.shape == (p, p + 11)
+    assert_close(P, full, rtol=1e-12 if scheme == "float64" else 1e-5, atol=1e-9 if scheme == "float64" else 1e-2)
+    k = max(1, round(p / block))
+    edges = [round(i * p / k) for i in range(k + 1)]
+    for s, e in zip(edges[:-1], edges[1:]):  # below the diagonal blocks: exact transposes
+        assert torch.equal(P[e:p, s:e], P[s:e, e:p].T)
+
+
+def test_statistics_wider_than_a_row_block_equal_direct_products():
+    """At d = 400 (two row blocks of the CPU's block-triangular products) the sums are the direct ones, and an
+    inf in the first block's columns is still caught (from the ones row, mirrored)."""
+    from shift_lightning.stats import GRAM_BLOCK
+
+    d = 400
+    assert round((d + 1) / GRAM_BLOCK) == 2
+    x, delta = _data(n=500, d=d, seed=9)
+    s = _stats(x, delta, batches=3)
+    xa = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
+    assert_close(s.G, xa.T @ xa, rtol=1e-12, atol=1e-8)
+    assert_close(s.C, xa.T @ delta, rtol=1e-12, atol=1e-8)
+    h = round((d + 1) / 2)  # two row blocks: the one below the diagonal is the mirror of the one above it
+    assert torch.equal(s.G[h:, :h], s.G[:h, h:].T)
+    bad = x[:4].clone()
+    bad[1, 0] = float("inf")
+    with pytest.raises(SolveError, match="non-finite"):
+        s.add_batch(bad, delta[:4])
