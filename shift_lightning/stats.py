@@ -117,8 +117,8 @@ def chunk_products(A: torch.Tensor, R: torch.Tensor, scheme: str) -> torch.Tenso
 
 
 #: Row-block width of :func:`gram_products` on CPU (``python benchmarks/gram.py``, one thread, 2,048 rows, float64;
-#: ``results/bench/gram_cpu.md``): 0.90 / 0.98 / 0.91 of the one GEMM's time for ``[x, 1]`` at d = 576 / 640 / 2048,
-#: 0.90 / 0.87 / 0.84 for the joint map's ``[x, m, 1]``; 128 is slower than the one GEMM.
+#: ``results/bench/gram_cpu.md``): 0.91 / 0.98 / 0.90 of the one GEMM's time for ``[x, 1]`` at d = 576 / 640 / 2048,
+#: 0.87 / 0.87 / 0.82 for the joint map's ``[x, m, 1]``; 128-wide blocks are slower than the one GEMM.
 GRAM_BLOCK = 256
 
 
