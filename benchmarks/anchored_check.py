@@ -86,7 +86,7 @@ def main(argv=None):
                     continue
                 m = copy.deepcopy(model)
                 t0 = time.perf_counter()
-                mod = CalibrationModule(m, layers, CalibrationConfig(mode=mode, granularity=gran, heldout=False))
+                mod = CalibrationModule(m, layers, CalibrationConfig(solver="lra", mode=mode, granularity=gran, heldout=False))
                 mod.calibrate(trainer, fit, batch_size=4)
                 secs = time.perf_counter() - t0
                 remove_blocks(m, layers)

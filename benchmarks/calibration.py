@@ -120,7 +120,7 @@ def section_timing(model, tok, dev, removed, a) -> dict:
     def calibration(mode, accum):
         def run():
             with split.patched():
-                CalibrationModule(model, removed, CalibrationConfig(mode=mode, accum_dtype=accum, heldout=False)
+                CalibrationModule(model, removed, CalibrationConfig(solver="lra", mode=mode, accum_dtype=accum, heldout=False)
                                   ).calibrate(trainer, current["win"], batch_size=a.batch_size)
             splits.setdefault(f"{mode}/{accum}", []).append((split.stats, split.solve))
         return run
@@ -187,7 +187,7 @@ def memory_child(model, tok, dev, removed, a, n: int, bare: bool = False) -> dic
     bare trunk pass over the same windows, the baseline the statistics add to."""
     win = C.windows(model, tok, n, a.memory_seq_len)
     trainer = make_trainer(dev)
-    mod = CalibrationModule(model, removed, CalibrationConfig(accum_dtype=a.memory_accum, heldout=False))
+    mod = CalibrationModule(model, removed, CalibrationConfig(solver="lra", accum_dtype=a.memory_accum, heldout=False))
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.synchronize()

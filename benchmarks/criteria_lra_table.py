@@ -48,7 +48,7 @@ def main():
                 built=(copy.deepcopy(model), tok),
                 data=TextDataConfig(num_samples=a.calib_samples, seq_len=a.seq_len),
                 heldout=TextDataConfig(split="heldout", num_samples=16, seq_len=a.seq_len),
-                prune=PruneConfig(layers=layers), calibration=CalibrationConfig(),
+                prune=PruneConfig(layers=layers), calibration=CalibrationConfig(solver="lra"),
                 trainer={"accelerator": "cpu", "enable_progress_bar": False},
                 evaluate=ev, evaluate_baselines=True)
             e = rep.report.evaluation

@@ -65,7 +65,7 @@ def main():
     rows.append({"variant": "original", "ppl": base})
     rows.append({"variant": "pruned", "ppl": window_perplexity(pruned, held_ppl)})
     del pruned
-    module = CalibrationModule(model, sel.layers, CalibrationConfig(damping=1e-4))
+    module = CalibrationModule(model, sel.layers, CalibrationConfig(solver="lra", damping=1e-4))
     module.calibrate(trainer, calib, None)
     for damp in [float(x) for x in a.dampings.split(",")]:
         module.cfg.damping = damp

@@ -69,7 +69,7 @@ def main(argv=None):
     n = model.config.num_hidden_layers
     for crit in ("reverse_star", "angular"):
         layers = select_blocks(PruneConfig(ratio=0.25, criterion=crit), model, select, lambda: trainer).layers
-        mod = CalibrationModule(copy.deepcopy(model), layers, CalibrationConfig(heldout=False))
+        mod = CalibrationModule(copy.deepcopy(model), layers, CalibrationConfig(solver="lra", heldout=False))
         mod.calibrate(trainer, calib, batch_size=4)
         for variant in ("pruned", "lra"):
             m = copy.deepcopy(model)

@@ -72,7 +72,7 @@ def main(argv=None):
     costs = {tuple(int(x) for x in key.split("-")): v for key, v in sel.details["span_costs"].items()}
     fit = windows.subset([i for i in range(len(windows)) if i % 4 != 3])
     judge = windows.subset([i for i in range(len(windows)) if i % 4 == 3])
-    cal = CalibrationModule(model, list(range(L)), CalibrationConfig(heldout=False))
+    cal = CalibrationModule(model, list(range(L)), CalibrationConfig(solver="lra", heldout=False))
     cal.calibrate(trainer, fit, batch_size=4)
     softcap = lm_softcap(model)
     ref = topk_reference(model_logits(model, judge), 64, softcap)

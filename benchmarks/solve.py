@@ -51,7 +51,7 @@ def real_site(model_name: str, dev) -> dict:
     acc, devices = ("gpu", [dev.index or 0]) if dev.type == "cuda" else ("cpu", 1)
     trainer = L.Trainer(accelerator=acc, devices=devices, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, inference_mode=False)
-    mod = CalibrationModule(model, removed, CalibrationConfig(accum_dtype="float64", heldout=False))
+    mod = CalibrationModule(model, removed, CalibrationConfig(solver="lra", accum_dtype="float64", heldout=False))
     mod.calibrate(trainer, win, batch_size=4)
     out = []
     for site in mod.sites:

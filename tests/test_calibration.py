@@ -88,13 +88,13 @@ def test_padding_is_masked(tiny64):
     model, tok = tiny64
     padded = _windows(tok, n=6, seq_len=512, packing=False)
     lens = padded.attention_mask.sum(1)
-    mod = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig())
+    mod = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra"))
     mod.calibrate(_trainer(), padded, batch_size=6)
     G_pad = mod.statistics[mod.sites[0].key].io.G.clone()
     G = torch.zeros_like(G_pad)
     for i in range(len(padded)):  # one unpadded sequence at a time
         one = TokenWindows(padded.input_ids[i:i + 1, :lens[i]], padded.attention_mask[i:i + 1, :lens[i]])
-        mod2 = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig())
+        mod2 = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra"))
         mod2.calibrate(_trainer(), one, batch_size=1)
         G += mod2.statistics[mod2.sites[0].key].io.G
     assert_close(G_pad, G, rtol=1e-10, atol=1e-8)
@@ -181,7 +181,7 @@ def test_span_granularity_fits_one_adapter_per_run(tiny64):
 def test_correction_reduces_error(tiny64):
     """On held-out text, the adapter beats plain removal (Δ̂ = 0, relative error 1)."""
     model, tok = copy.deepcopy(tiny64[0]), tiny64[1]
-    mod = CalibrationModule(model, [2, 3], CalibrationConfig())
+    mod = CalibrationModule(model, [2, 3], CalibrationConfig(solver="lra"))
     mod.calibrate(_trainer(), _windows(tok, n=16), heldout=_windows(tok, source=HELDOUT))
     for s in mod.sites:
         assert 0 <= mod.reports[s.key]["calib_rel_error"] < mod.reports[s.key]["heldout_rel_error"] < 1.0

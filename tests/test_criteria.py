@@ -307,7 +307,7 @@ def lras_fitted_apart(model, windows, every: int = 3, damping: float = 1e-3):
     judge = windows.subset([i for i in range(len(windows)) if i % every == every - 1])
     trainer = L_.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, inference_mode=False,
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
-    cal = CalibrationModule(model, list(range(L)), CalibrationConfig(damping=damping, heldout=False))
+    cal = CalibrationModule(model, list(range(L)), CalibrationConfig(solver="lra", damping=damping, heldout=False))
     cal.calibrate(trainer, fit, batch_size=2)
     return cal, judge
 

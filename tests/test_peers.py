@@ -506,7 +506,7 @@ def test_guard_span_candidate_fits_the_whole_span_at_once(tiny):
     assert "lra@span" not in single["kl"] and "lra@span" not in plain_pair["kl"]
     assert pair["chosen"] == "lra@span" and pair["kl"]["lra@span"] < 1e-3 * pair["kl"]["lra@1e-08"]
     assert plain_pair["chosen"] != "lra@span" and plain_pair["kl"]["lra@1e-08"] == pair["kl"]["lra@1e-08"]
-    span_lra = CalibrationModule(copy.deepcopy(model), [2, 3, 5], CalibrationConfig(damping=1e-8, granularity="span"))
+    span_lra = CalibrationModule(copy.deepcopy(model), [2, 3, 5], CalibrationConfig(solver="lra", damping=1e-8, granularity="span"))
     span_lra.calibrate(_trainer(), win, batch_size=3)
     x = torch.randn(2, 3, d, dtype=torch.float64)
     got, want = mod.correction("guarded_span").adapters[2], span_lra.correction("lra").adapters[2]

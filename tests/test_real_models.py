@@ -41,7 +41,7 @@ def test_smollm2_reverse_star_lra_recovers_perplexity(smollm2, tmp_path):
     pruned = copy.deepcopy(model)
     remove_blocks(pruned, sel.layers)
     p_pruned = _ppl(pruned, tok, held)
-    mod = CalibrationModule(model, sel.layers, CalibrationConfig())
+    mod = CalibrationModule(model, sel.layers, CalibrationConfig(solver="lra"))
     mod.calibrate(_trainer(), calib)
     # massive activations: the real Gram is badly scaled, the solve must still be finite and useful
     assert all(0 < mod.reports[s.key]["calib_rel_error"] < 1 for s in mod.sites)
@@ -63,7 +63,7 @@ def test_float32_chunks_match_float64_on_real_activations(smollm2):
     calib = build_windows(TextDataConfig(num_samples=8, seq_len=256), tok, "llama")
     sols = {}
     for acc in ("float64", "float32"):
-        mod = CalibrationModule(model, [12, 24], CalibrationConfig(accum_dtype=acc))
+        mod = CalibrationModule(model, [12, 24], CalibrationConfig(solver="lra", accum_dtype=acc))
         mod.calibrate(_trainer(), calib)
         sols[acc] = mod
     for site in sols["float64"].sites:

@@ -286,7 +286,7 @@ def test_solver_registry_and_config_choices_agree():
 def _readme_choices(group: str, field: str) -> set[str]:
     """The choices the README's table of flags lists for ``field`` in the row of ``group``."""
     row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| `{group}`"))
-    listed = row.split(f"`{field}` (", 1)[1].split(")", 1)[0]
+    listed = row.split(f"`{field}` (", 1)[1].split(")", 1)[0].split(";", 1)[0]  # "; default …" after the choices
     return {n.strip(" `") for n in listed.split(",")}
 
 

@@ -43,7 +43,7 @@ def test_render_orders_by_model_and_names_a_missing_table(tmp_path):
         p = tmp_path / f"{repair}.json"
         p.write_text(json.dumps(_doc(repair, CRITERIA, CRITERIA, ["c"], 0.81, CRITERIA, ["a"])))
         paths.append(str(p))
-    out = render(TargetsSummaryConfig(tables=paths, out=str(tmp_path / "t")))
+    out = render(TargetsSummaryConfig(tables=paths, out=str(tmp_path / "t"), default="lra"))
     md = out.with_suffix(".md").read_text()
     assert "| m | `lra` | 4 of 4 | 4 of 4 ✓ | 1 of 4 ✗ | 81.0 [71.0, 91.0] (a) ✓ | 4 of 4 ✓ | 1 of 4 ✗ | – |" in md
     assert [x["repair"] for x in json.loads(out.with_suffix(".json").read_text())["lines"]] == ["lra", "lra_auto"]
@@ -72,13 +72,13 @@ def test_closer_than_the_default_counts_criteria_where_both_ran_and_every_set_is
     rows[1]["cells"] = {"mixed:lra": cell(1.0, 1.0, 1.0), "mixed:joint": cell(0.9, 1.01, 0.9)}  # one set further
     rows[2]["cells"] = {"mixed:lra": cell(1.0, 1.0, 1.0), "mixed:joint": cell(1.0, 0.5, 0.5)}   # a tie is not closer
     rows[3]["cells"] = {"mixed:joint": cell(0.1, 0.1, 0.1), "wiki:lra": cell(1.0, 1.0, 1.0)}    # default not run here
-    line = summarize(doc, TargetsSummaryConfig())[0]
+    line = summarize(doc, TargetsSummaryConfig(default="lra"))[0]
     assert line["closer_than_default"] == [1, 3]
     assert summarize(_doc("lra", CRITERIA, CRITERIA, [], 0.7, CRITERIA, CRITERIA),
-                     TargetsSummaryConfig())[0]["closer_than_default"] is None
+                     TargetsSummaryConfig(default="lra"))[0]["closer_than_default"] is None
     p = tmp_path / "joint.json"
     p.write_text(json.dumps(doc))
-    md = render(TargetsSummaryConfig(tables=[str(p)], out=str(tmp_path / "t"))).with_suffix(".md").read_text()
+    md = render(TargetsSummaryConfig(tables=[str(p)], out=str(tmp_path / "t"), default="lra")).with_suffix(".md").read_text()
     assert "| closer than `lra` |" in md and md.rstrip().endswith("| 4 of 4 ✓ | 4 of 4 ✗ | 1 of 3 |")
 
 

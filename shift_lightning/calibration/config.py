@@ -21,8 +21,10 @@ SolverName = Literal["lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "a
 class CalibrationConfig:
     """How the maps that replace removed blocks are fitted."""
 
-    solver: SolverName = "lra"
-    """The map: ``lra`` (y = x + xWᵀ + b, the paper's LRA), ``lra_span`` (the LRA fitted once per
+    solver: SolverName = "lra_replaceme"
+    """The map (default ``lra_replaceme``, by the README's switch rule: the closest repair of both grids at
+    1.00–1.09× the LRA's calibration time; ``lra`` for a low-rank adapter or ``mode: sequential``):
+    ``lra`` (y = x + xWᵀ + b, the paper's LRA), ``lra_span`` (the LRA fitted once per
     contiguous span, = ``lra`` with ``granularity: span``), ``lra_anchored`` (the span LRA fitted in
     ``mode: anchored``, to the original's state at the span's end), ``lra_auto`` (with ``mode: auto``:
     the LRA per block and per span fitted independently, sequentially and anchored without the held-out

@@ -188,7 +188,7 @@ def _run_criterion(cfg: AblationConfig, ctx: harness.GridContext, runs: harness.
     n_layers = ctx.num_layers
     layers = _selection(cfg, ctx, crit, g.ratio)
     log.info("%s ablations, %s: blocks %s; %d new runs, closeness for %d", cfg.model, crit, layers, len(new), len(old))
-    base = CalibrationConfig(damping=g.damping, heldout=False)
+    base = CalibrationConfig(solver="lra", damping=g.damping, heldout=False)  # the LRA's axes
     pruned = copy.deepcopy(ctx.model)
     remove_blocks(pruned, layers)
     cache = TrunkCache(depth=max(layers[0] - 1, 0))

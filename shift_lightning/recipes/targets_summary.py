@@ -47,8 +47,9 @@ class TargetsSummaryConfig:
     robust_goal: float = 0.80
     robust_above: int = 8
     """Criteria (of all) under which the repair must beat the better ReplaceMe on Robust."""
-    default: str = "lra"
-    """The default repair, which the others are compared with (closer on every set or not)."""
+    default: str = "lra_replaceme"
+    """The default repair (``CalibrationConfig.solver``'s default), which the others are compared with (closer on
+    every set or not)."""
     out: str = "results/targets"
 
 
