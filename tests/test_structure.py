@@ -283,6 +283,21 @@ def test_solver_registry_and_config_choices_agree():
     assert _readme_choices("--calibration.*", "solver") == set(SOLVERS)
 
 
+def test_the_default_solver_is_the_one_the_readme_and_the_main_config_name():
+    """The default repair is stated in the README's table of flags, used by the main job's config, and is the
+    default the targets summary compares the other repairs with."""
+    import yaml
+
+    from shift_lightning.calibration import CalibrationConfig
+    from shift_lightning.recipes.targets_summary import TargetsSummaryConfig
+
+    default = CalibrationConfig().solver
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `--calibration.*`"))
+    assert "`solver` (" in row and f"; default `{default}`," in row.split("`solver` (", 1)[1].split(")", 1)[0]
+    main = yaml.safe_load((ROOT / "configs" / "smollm2_reverse_star.yaml").read_text())
+    assert main["calibration"]["solver"] == default == TargetsSummaryConfig().default
+
+
 def _readme_choices(group: str, field: str) -> set[str]:
     """The choices the README's table of flags lists for ``field`` in the row of ``group``."""
     row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| `{group}`"))
