@@ -351,7 +351,7 @@ def section_processes(a) -> dict:
                    "--model.dtype", a.dtype, "--data.num_samples", str(a.samples), "--data.seq_len", str(a.seq_len),
                    "--data.batch_size", str(a.batch_size), "--heldout.num_samples", "0",
                    "--prune.ratio", str(a.ratio), "--prune.criterion", a.criterion,
-                   "--calibration.accum_dtype", a.memory_accum, "--trainer.accelerator", "cpu",
+                   "--calibration.solver", "lra", "--calibration.accum_dtype", a.memory_accum, "--trainer.accelerator", "cpu",
                    "--trainer.enable_progress_bar", "false", "--output_dir", f"{tmp}/out"]
             if world > 1:
                 cmd += ["--trainer.devices", str(world), "--trainer.strategy", "ddp"]
