@@ -22,6 +22,7 @@ import argparse
 import _common as C
 import torch
 
+from shift_lightning.outputs import write_text_atomic
 from shift_lightning.stats import GRAM_BLOCK, chunk_products, gram_products
 
 
@@ -43,6 +44,7 @@ def main(argv=None):
     rows, doc = [], {"machine": C.machine(dev), "scheme": a.scheme, "tokens": a.tokens,
                      "results": []}
     blocks = [int(b) for b in a.blocks.split(",")]
+    headers = ["d", "statistics", "full ms"] + [f"÷ full, block {b}" for b in blocks] + ["max rel. err"]
     for d in (int(x) for x in a.dims.split(",")):
         for name, p in (("[x, 1] (LRA)", d + 1), ("[x, m, 1] (joint)", 2 * d + 1)):
             R = torch.randn(a.tokens, p + d, generator=g, device=dev, dtype=work)
@@ -59,16 +61,14 @@ def main(argv=None):
             doc["results"].append(res)
             rows.append([d, name, f"{res['full_s'] * 1e3:.1f}"] + [f"{res['ratio'][b]:.2f}" for b in blocks]
                         + [f"{max(err.values()):.0e}"])
-            print(C.md_table(["d", "statistics", "full ms"] + [f"÷ full, block {b}" for b in blocks]
-                             + ["max rel. err"], rows[-1:]).splitlines()[-1], flush=True)
-    table = C.md_table(["d", "statistics", "full ms"] + [f"÷ full, block {b}" for b in blocks] + ["max rel. err"], rows)
+            print(C.md_table(headers, rows[-1:]).splitlines()[-1], flush=True)
+    table = C.md_table(headers, rows)
     print(table)
     out = a.out or f"results/bench/gram_{dev.type}"
     C.write_json(out + ".json", doc)
-    with open(out + ".md", "w") as f:
-        f.write(f"# Statistics products: full GEMM against block-triangular\n\n`python benchmarks/gram.py "
-                f"--dims {a.dims} --scheme {a.scheme} --threads {a.threads}` ({a.tokens} rows a batch, medians of "
-                f"{a.repeats} interleaved runs; the default row block is {GRAM_BLOCK})\n\n{table}\n")
+    write_text_atomic(out + ".md", f"# Statistics products: full GEMM against block-triangular\n\n`python benchmarks/gram.py "
+                      f"--dims {a.dims} --scheme {a.scheme} --threads {a.threads}` ({a.tokens} rows a batch, medians "
+                      f"of {a.repeats} interleaved runs; the default row block is {GRAM_BLOCK})\n\n{table}\n")
 
 
 if __name__ == "__main__":

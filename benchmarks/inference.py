@@ -62,7 +62,7 @@ def adapter_variants(model, tok, dev, removed, a) -> dict[str, dict[int, nn.Modu
     trainer = make_trainer(dev)
 
     def fit(**kw):
-        mod = CalibrationModule(model, removed, CalibrationConfig(**{"solver": "lra", "heldout": False, **kw}))
+        mod = CalibrationModule(model, removed, CalibrationConfig(solver="lra", heldout=False, **kw))
         mod.calibrate(trainer, win, batch_size=4)
         return mod
 
