@@ -38,6 +38,14 @@ and for rank r < d it returns the optimal rank-r solution of the *same* ridge ob
 (reduced-rank ridge regression): with H = XcᵀXc + λI and B = Wᵀ,
 ``f(B') = const + tr((B' − B)ᵀ H (B' − B))``, minimised over rank-r B' by ``B' = B P_r`` where
 ``P_r`` projects onto the top-r eigenvectors of ``Bᵀ H B = Bᵀ XcᵀΔc``.
+
+With feature groups (``[x, m]``: the joint map) the rank applies to the first group's coefficients
+``A`` only (the adapter; the other groups' ``B₂`` is folded into a weight, so it costs no parameters).
+For a fixed ``A``, the best ``B₂ = H₂₂⁻¹ (S₂ − H₂₁ A)``; put back, the objective in ``A`` is again
+``const + tr((A' − A)ᵀ H/H₂₂ (A' − A))`` with the Schur complement ``H/H₂₂ = H₁₁ − H₁₂ H₂₂⁻¹ H₂₁``
+and ``A`` the first rows of the full solution. So the optimal rank-r ``A'`` is ``A P_r`` with ``P_r``
+the top-r eigenvectors of ``Aᵀ (H/H₂₂) A``, and ``B₂`` is refitted given it: the exact optimum of the
+ridge objective over rank(``A``) ≤ r, not a truncation of the joint solution.
 """
 
 from __future__ import annotations
@@ -252,7 +260,9 @@ def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = Non
     ``dtype``: float64 (always, in the library); float32 exists to measure what float64 costs
     (``benchmarks/solve.py``). ``groups``: sizes of consecutive blocks of input features (summing to
     ``stats.dim``), each damped relative to its own mean variance (features of different scales, e.g.
-    ``[x, m]``); the returned ``lam`` is the first block's.
+    ``[x, m]``); the returned ``lam`` is the first block's. ``rank`` with groups constrains the first
+    group's coefficients only (the others refitted given them; module doc); ``U Vᵀ`` is then that
+    ``(d_out, groups[0])`` block of ``W``.
     """
     G, C, d = stats.G.to(dtype), stats.C.to(dtype), stats.dim
     if kind == "affine" and stats.out_dim != d:
@@ -292,12 +302,22 @@ def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = Non
         )
     B = torch.cholesky_solve(Sxy, L)                   # Wᵀ = (XᵀX + λI)⁻¹ XᵀΔ   (d, d_out)
     U = V = None
-    if rank is not None and rank < d:
-        M = B.T @ Sxy                                  # Bᵀ H B   (d_out, d_out), symmetric PSD
+    k = groups[0]                                      # the rank constrains these rows of B
+    if rank is not None and rank < k:
+        if k == d:
+            M = B.T @ Sxy                              # Bᵀ H B   (d_out, d_out), symmetric PSD
+        else:                                          # Aᵀ (H/H₂₂) A with the Schur complement H/H₂₂
+            L2 = torch.linalg.cholesky(H[k:, k:])
+            schur = H[:k, :k] - H[:k, k:] @ torch.cholesky_solve(H[k:, :k], L2)
+            M = B[:k].T @ schur @ B[:k]
         evals, evecs = torch.linalg.eigh(0.5 * (M + M.T))
         Pr = evecs[:, -rank:]                          # top-r eigenvectors
-        U, V = Pr, B @ Pr                              # W = U Vᵀ = Pr (B Pr)ᵀ
-        B = V @ Pr.T
+        U, V = Pr, B[:k] @ Pr                          # A' = V Prᵀ, the first group's block of W: U Vᵀ
+        if k == d:
+            B = V @ Pr.T
+        else:                                          # B₂ = H₂₂⁻¹ (S₂ − H₂₁ A'), refitted given A'
+            A = V @ Pr.T
+            B = torch.cat([A, torch.cholesky_solve(Sxy[k:] - H[k:, :k] @ A, L2)])
     W = B.T.contiguous()
     b = my - W @ mx
     return Solution(W, b, U, V, float(lam), kind)

@@ -266,10 +266,10 @@ def test_adapter_rank_is_checked_against_the_hidden_size(tiny64, tmp_path, caplo
     d = model.config.hidden_size
     with pytest.raises(ConfigError, match=rf"rank {d + 1} exceeds the model's hidden size d = {d}.*null for full rank"):
         CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra", rank=d + 1))
-    # the joint map has no low-rank form, nor a sequential fit: both errors name the solver to set
-    with pytest.raises(ConfigError, match=r"rank applies to the lra / nobias solvers, not to 'lra_replaceme'.*"
-                                          r"--calibration.solver lra"):
-        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_replaceme", rank=8))
+    # a low rank for a solver without one, and the joint map's sequential fit: both errors name the solver to set
+    with pytest.raises(ConfigError, match=r"rank applies to the lra / .* / lra_replaceme solvers, not to 'guarded_joint'.*"
+                                          r"--calibration.solver lra_replaceme \(the default\) or lra"):
+        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="guarded_joint", rank=8))
     with pytest.raises(ConfigError, match=r"mode sequential fits one solver.*lra_replaceme here.*--calibration.solver lra"):
         CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_replaceme", mode="sequential"))
     with pytest.raises(ConfigError, match=rf"guard_ranks \[{d + 5}\] exceed"):

@@ -175,12 +175,16 @@ def test_replaceme_on_gemma3_wraps_the_post_mlp_norm_and_round_trips(tmp_path):
     assert m2.generate(ids[:1, :5], max_new_tokens=3, do_sample=False).shape[1] == 8
 
 
-def _joint_span_model(family):
-    """A tiny model whose blocks 2–3 add ``x A0ᵀ + m B0ᵀ + c0`` (``m``: block 1's MLP branch): exactly the joint map."""
+def _joint_span_model(family, rank=None):
+    """A tiny model whose blocks 2–3 add ``x A0ᵀ + m B0ᵀ + c0`` (``m``: block 1's MLP branch): exactly the joint map
+    (``A0`` of rank ``rank`` if given)."""
     model, tok = build_tiny_model(family, num_hidden_layers=6, dtype=torch.float64)
     d = model.config.hidden_size
     eye = torch.eye(d, dtype=torch.float64)
     A0, B0 = _rand(d, 5, 0.2), _rand(d, 6, 3.0)  # a random model's branch is much smaller than x
+    if rank is not None:
+        U, S, Vh = torch.linalg.svd(A0)
+        A0 = U[:, :rank] @ torch.diag(S[:rank]) @ Vh[:rank]
     c0 = 0.1 * torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     blocks = decoder_layers(model)
     shared = {}
@@ -212,6 +216,43 @@ def test_joint_lra_and_replaceme_recovers_a_span_linear_in_x_and_the_branch_and_
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=False).logits
     assert_close(out, ref, rtol=1e-6, atol=1e-6)  # the pruned, corrected model equals the original
+    save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": [2, 3],
+                                           "correction": "lra_replaceme"})
+    m2, _ = load_pretrained(tmp_path)
+    with torch.no_grad():
+        assert_close(m2(input_ids=ids, use_cache=False).logits, out, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_low_rank_joint_map_recovers_a_low_rank_span_exactly_with_2dr_plus_d_parameters(family, tmp_path):
+    """``--calibration.rank r`` with the joint map: the adapter after the span is rank r (``2dr + d``
+    parameters), the branch map stays full; a span adding ``x A0ᵀ + m B0ᵀ + c0`` with rank(A0) = r is
+    recovered exactly (the pruned, corrected model equals the original, saved and loaded), which the
+    rank-r span LRA cannot do."""
+    from shift_lightning.lra import LinearResidualAdapter
+
+    r = 3
+    model, tok = _joint_span_model(family, rank=r)
+    d = model.config.hidden_size
+    win = _windows(tok)
+    ids = win.input_ids[:2, :24]
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+    mod = CalibrationModule(model, [2, 3], CalibrationConfig(damping=1e-10, rank=r), solvers=["lra_replaceme", "lra_span"])
+    mod.calibrate(_trainer(), win, batch_size=4)
+    errors = mod.reports[mod.spans[0].key]["solvers"]
+    assert errors["lra_replaceme"]["calib_rel_error"] < 1e-9 < 1e-3 < errors["lra_span"]["calib_rel_error"]
+    sol = mod.solution(mod.spans[0], "lra_replaceme")
+    assert sol.U.shape == sol.V.shape == (d, r) and torch.linalg.matrix_rank(sol.T - torch.eye(d, dtype=torch.float64)) == d
+    corr = mod.correction("lra_replaceme")
+    adapter = corr.adapters[2]
+    assert isinstance(adapter, LinearResidualAdapter) and adapter.spec.rank == r
+    assert sum(p.numel() for p in adapter.parameters()) == 2 * d * r + d
+    remove_blocks(model, [2, 3])
+    apply_correction(model, corr, 6, [2, 3])
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False).logits
+    assert_close(out, ref, rtol=1e-6, atol=1e-6)
     save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": [2, 3],
                                            "correction": "lra_replaceme"})
     m2, _ = load_pretrained(tmp_path)

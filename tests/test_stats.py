@@ -109,6 +109,66 @@ def test_reduced_rank_is_optimal(rank):
         assert f_rr <= _objective(x, delta, Wr, best_b(Wr), sol.lam) + 1e-9
 
 
+def _joint_data(n=800, d=8, seed=11):
+    """Features ``[x, m]`` (``m`` correlated with ``x``, on another scale) and targets from both."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    x[:, 2] = 50.0 + 20.0 * x[:, 2]
+    m = 0.01 * (torch.tanh(x @ torch.randn(d, d, generator=g, dtype=torch.float64)) +
+                0.5 * torch.randn(n, d, generator=g, dtype=torch.float64))
+    delta = (x @ (0.3 * torch.randn(d, d, generator=g, dtype=torch.float64)) + m @ (40 * torch.randn(d, d, generator=g,
+             dtype=torch.float64)) + torch.randn(d, generator=g, dtype=torch.float64))
+    return torch.cat([x, m], 1), delta + 0.05 * torch.randn(n, d, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("rank", [1, 3, 5])
+def test_rank_with_groups_is_the_exact_optimum_over_the_first_groups_rank(rank):
+    """With groups ``(d, d)`` the rank constrains the first group's block ``A`` only: ``A`` equals the
+    Eckart–Young optimum in the metric of the Schur complement (computed here independently, from the
+    raw rows, by an SVD), the second group's block is the best given ``A``, and ``U Vᵀ = A``."""
+    xm, delta = _joint_data()
+    d = delta.shape[1]
+    damping = 1e-3
+    s = RidgeStats(2 * d, out_dim=d)
+    for fb, db in zip(xm.chunk(4), delta.chunk(4)):
+        s.add_batch(fb, db)
+    sol = ridge_solve(s, damping, rank=rank, groups=(d, d))
+    A, B = sol.W[:, :d].T, sol.W[:, d:].T
+    assert torch.linalg.matrix_rank(A).item() == rank and torch.linalg.matrix_rank(B).item() == d
+    assert_close(sol.U @ sol.V.T, sol.W[:, :d])
+    # independently: centred rows, per-group damping, the Schur complement of the m block, Eckart–Young
+    fc, dc = xm - xm.mean(0), delta - delta.mean(0)
+    S = fc.T @ fc
+    lams = [damping * S.diagonal()[:d].mean(), damping * S.diagonal()[d:].mean()]
+    H = S + torch.diag(torch.cat([lams[0].expand(d), lams[1].expand(d)]))
+    full = torch.linalg.solve(H, fc.T @ dc)
+    schur = H[:d, :d] - H[:d, d:] @ torch.linalg.solve(H[d:, d:], H[d:, :d])
+    ev, Q = torch.linalg.eigh(schur)
+    root, iroot = Q @ torch.diag(ev.sqrt()) @ Q.T, Q @ torch.diag(ev.rsqrt()) @ Q.T
+    Us, Ss, Vh = torch.linalg.svd(root @ full[:d])
+    A_ey = iroot @ Us[:, :rank] @ torch.diag(Ss[:rank]) @ Vh[:rank]
+    assert_close(A, A_ey, rtol=1e-7, atol=1e-9)
+    assert_close(B, torch.linalg.solve(H[d:, d:], (fc.T @ dc)[d:] - H[d:, :d] @ A), rtol=1e-7, atol=1e-9)
+    assert_close(sol.b, delta.mean(0) - sol.W @ xm.mean(0))
+
+    def objective(Wt):
+        return ((dc - fc @ Wt) ** 2).sum() + lams[0] * (Wt[:d] ** 2).sum() + lams[1] * (Wt[d:] ** 2).sum()
+
+    # it beats truncating the full solution's A (with or without B refitted) and the rank-r fit on x alone
+    U_, S_, Vh_ = torch.linalg.svd(full[:d])
+    At = U_[:, :rank] @ torch.diag(S_[:rank]) @ Vh_[:rank]
+    f = objective(torch.cat([A, B]))
+    assert f < objective(torch.cat([At, full[d:]]))
+    assert f < objective(torch.cat([At, torch.linalg.solve(H[d:, d:], (fc.T @ dc)[d:] - H[d:, :d] @ At)]))
+    x_only = RidgeStats(d)
+    x_only.add_batch(xm[:, :d], delta)
+    assert f < objective(torch.cat([ridge_solve(x_only, damping, rank=rank).W.T, torch.zeros(d, d, dtype=torch.float64)]))
+    # rank = the group's width is the full joint fit
+    whole = ridge_solve(s, damping, rank=d, groups=(d, d))
+    assert whole.U is None
+    assert_close(whole.W, ridge_solve(s, damping, groups=(d, d)).W)
+
+
 def test_affine_kind_fits_block_output():
     x, delta = _data(seed=5)
     s = _stats(x, delta)

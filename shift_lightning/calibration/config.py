@@ -23,7 +23,7 @@ class CalibrationConfig:
 
     solver: SolverName = "lra_replaceme"
     """The map (default ``lra_replaceme``, by the README's switch rule: the closest repair of both grids at
-    1.00–1.09× the LRA's calibration time; ``lra`` for a low-rank adapter or ``mode: sequential``):
+    1.00–1.09× the LRA's calibration time; low rank with ``rank``; ``lra`` for ``mode: sequential``):
     ``lra`` (y = x + xWᵀ + b, the paper's LRA), ``lra_span`` (the LRA fitted once per
     contiguous span, = ``lra`` with ``granularity: span``), ``lra_anchored`` (the span LRA fitted in
     ``mode: anchored``, to the original's state at the span's end), ``lra_auto`` (with ``mode: auto``:
@@ -48,7 +48,8 @@ class CalibrationConfig:
     granularity: Literal["block", "span"] = "block"
     """``block``: one map per removed block (merged afterwards); ``span``: one per contiguous run."""
     rank: int | None = None
-    """Adapter rank r (W = UVᵀ, 2dr + d parameters, optimal reduced-rank fit); None (or r = d) = full
+    """Adapter rank r (W = UVᵀ, 2dr + d parameters, optimal reduced-rank fit; ``lra_replaceme``: the adapter's
+    half rank r, the branch map folded full); None (or r = d) = full
     rank. r > d is refused once the model is loaded; r ≥ d/2 warns (no fewer parameters than full rank)."""
     damping: float = 1e-4
     """Relative ridge damping: λ = damping · mean(diag(XcᵀXc))."""

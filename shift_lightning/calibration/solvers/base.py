@@ -64,8 +64,9 @@ class Solver:
         self.cfg = cfg
         self.device = None  # where iterative solvers run (set by the module)
         if cfg.rank is not None and not self.low_rank:
-            raise ConfigError(f"--calibration.rank applies to the lra / nobias solvers, not to {self.name!r}: set "
-                              "--calibration.solver lra (or nobias) for a low-rank adapter, or drop --calibration.rank")
+            raise ConfigError(f"--calibration.rank applies to the {' / '.join(low_rank_solvers())} solvers, not to "
+                              f"{self.name!r}: set --calibration.solver lra_replaceme (the default) or lra for a "
+                              "low-rank adapter, or drop --calibration.rank")
         if cfg.mode == "auto" and self.mode != "auto":
             raise ConfigError(f"--calibration.mode auto chooses the LRA's fit on held-out windows; it fits the "
                               f"lra_auto solver, not {self.name!r}: set --calibration.solver lra_auto")
@@ -93,6 +94,11 @@ class Solver:
 
 #: name -> solver class; filled by :func:`register`.
 SOLVERS: dict[str, type[Solver]] = {}
+
+
+def low_rank_solvers() -> list[str]:
+    """The solvers that honour ``--calibration.rank``."""
+    return [n for n, c in SOLVERS.items() if c.low_rank]
 
 
 def register(cls: type[Solver]) -> type[Solver]:

@@ -24,6 +24,12 @@ corrected model is again an LRA plus a ReplaceMe map: saved, loaded and exported
 
 A span starting at block 0 has no branch before it: it gets the span LRA alone (noted).
 
+**Low rank** (``--calibration.rank r``): the adapter's ``A`` is constrained to rank r, ``B`` (folded into
+``down_proj``, no parameters) stays full and is refitted given ``A``: the exact optimum of the same ridge
+objective over rank(``A``) ≤ r (:func:`~shift_lightning.stats.ridge_solve`, via the Schur complement of the
+``m`` block). The adapter is then ``y = x' + x' V Uᵀ + b``, ``2dr + d`` parameters, and ``T`` is computed from
+``I + A`` as above.
+
 Statistics: ``[x, m, 1]ᵀ[x, m, 1, Δ]``, ``(2d+1)(3d+1)`` float64 per span (16 MB at d = 576, SmolLM2;
 20 MB at d = 640, Gemma3-270M; 805 MB at d = 4096), beside the span's ``(x, Δ)``, which is copied out of it
 after the pass rather than accumulated again (``Collector.derive``); twice that under ``guarded_joint``
@@ -55,7 +61,7 @@ def span_delta_map(M: torch.Tensor, c: torch.Tensor, T: torch.Tensor) -> tuple[t
 @register
 class LRAReplaceMe(Solver):
     name, label = "lra_replaceme", "+LRA & ReplaceMe (joint)"
-    per_span = True
+    per_span = low_rank = True
     needs = frozenset({"io", "joint"})
 
     def fitted_on(self, sol: Solution, stats: SiteStatistics):
@@ -66,11 +72,11 @@ class LRAReplaceMe(Solver):
 
     def fit(self, stats: SiteStatistics) -> Solution:
         if stats.joint is None:  # span at block 0: no branch before it
-            sol = ridge_solve(stats.io, self.cfg.damping)
+            sol = ridge_solve(stats.io, self.cfg.damping, self.rank(stats.io.dim))
             sol.info = {"joint": False, "note": "no block before the span: the span LRA alone"}
             return sol
         d = stats.io.dim
-        sol = ridge_solve(stats.joint, self.cfg.damping, groups=(d, d))
+        sol = ridge_solve(stats.joint, self.cfg.damping, self.rank(d), groups=(d, d))
         A, B = sol.W[:, :d].T, sol.W[:, d:].T              # Δ̂ = x A + m B + b
         eye = torch.eye(d, dtype=A.dtype, device=A.device)
         IA = eye + A
@@ -80,5 +86,5 @@ class LRAReplaceMe(Solver):
                              f"{cond:.3g}), so ReplaceMe's half cannot be moved before the adapter exactly; increase "
                              "--calibration.damping or use --calibration.solver lra_span")
         T = eye + torch.linalg.solve(IA.T, B.T).T          # T − I = B (I + A)⁻¹
-        return Solution(A.T.contiguous(), sol.b, None, None, sol.lam, "residual", T=T.contiguous(),
+        return Solution(A.T.contiguous(), sol.b, sol.U, sol.V, sol.lam, "residual", T=T.contiguous(),
                         info={"joint": True, "cond_I_plus_A": cond})
