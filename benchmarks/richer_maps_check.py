@@ -17,7 +17,11 @@ the original the pruned model gets:
 * ``x, n(x), a``: both;
 * ``x`` + re-anchoring: the span LRA, then an LRA at the input of each of the next ``k`` kept blocks,
   fitted one after the other from the corrected pruned model's state there to the *original's*
-  (``k`` = 1, 2, 4).
+  (``k`` = 1, 2, 4);
+* ``x`` (and ``x, m``) + an end anchor: the span map, then one least-squares map at the end of the
+  model, from the corrected pruned model's state to the original's, either at the final norm's input
+  (the residual stream) or at its output (what the LM head reads, so the fit is least squares in the
+  head's input space: ``y = n + n W + b``).
 
 One contiguous span of the mixed grid's block choice (``results/paper_mixed/<model>/<criterion>/selection.json``,
 or ``--blocks``); the grid's 64 × 512 mixed calibration windows, every 4th held out (the guard's split):
@@ -152,6 +156,29 @@ def states_at(model, windows: TokenWindows, j: int, batch: int = 4) -> torch.Ten
     return torch.cat(rows)
 
 
+@torch.no_grad()
+def end_states(model, windows: TokenWindows, batch: int = 4) -> dict[str, torch.Tensor]:
+    """float64 rows of the final norm's input (``pre``) and output (``post``) over the real tokens."""
+    got, rows = {}, {"pre": [], "post": []}
+    h = final_norm(model).register_forward_hook(lambda mod, a, out: got.update(pre=a[0], post=out))
+    try:
+        for s in range(0, len(windows), batch):
+            ids, mask = windows.input_ids[s:s + batch], windows.attention_mask[s:s + batch]
+            model.model(input_ids=ids, attention_mask=mask, use_cache=False)
+            for k in rows:
+                rows[k].append(got[k][mask.bool()].double())
+    finally:
+        h.remove()
+    return {k: torch.cat(v) for k, v in rows.items()}
+
+
+def end_anchor(model, where: str, W: torch.Tensor, b: torch.Tensor):
+    """Hook ``h ↦ h + h W + b`` on the final norm's input (``pre``) or output (``post``); returns the handle."""
+    if where == "pre":
+        return final_norm(model).register_forward_pre_hook(lambda mod, a: (a[0] + a[0] @ W + b, *a[1:]))
+    return final_norm(model).register_forward_hook(lambda mod, a, out: out + out @ W + b)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -201,7 +228,7 @@ def main(argv=None):
     with swapped_blocks(model, {start: Bypass(), **bypass}):
         kl, top1 = closeness(model, judge, refs)
     land({"map": "pruned (no map)", "kl": kl, "top1": top1, "params": 0, "heldout_rel_error": 1.0, "seconds": 0.0})
-    base = None
+    sols = {}
     for label, groups in FEATURES.items():
         t0 = time.perf_counter()
         st = collect(model, fit, start, end, groups)
@@ -214,10 +241,10 @@ def main(argv=None):
                 kl, top1 = closeness(model, judge, refs)
         finally:
             taps.remove()
-        if groups == "x":
-            base = sol
+        sols[groups] = sol
         land({"map": label, "kl": kl, "top1": top1, "params": sol.W.numel() + sol.b.numel(),
               "heldout_rel_error": err, "seconds": time.perf_counter() - t0})
+    base = sols["x"]
     # re-anchoring after the span LRA: LRAs at the next kept blocks' inputs, fitted one after the other
     anchors = Anchors(model)
     kept_after = [j for j in range(end + 1, n_layers)] + [n_layers]
@@ -248,6 +275,28 @@ def main(argv=None):
                 land({"map": f"x, then re-anchored at the next {k} block(s)", "kl": kl, "top1": top1,
                       "params": (k + 1) * (d * d + d), "heldout_rel_error": None,
                       "seconds": time.perf_counter() - t0})
+    # one least-squares map at the end of the model, after the span map (x, or x and m)
+    ends = end_states(model, fit)
+    for label, groups in (("x", "x"), ("x, m", "xm")):
+        t0, span = time.perf_counter(), sols[groups]
+        taps = Taps(model, start)
+        try:
+            with swapped_blocks(model, {start: FeatureMap(groups, span.W.T, span.b, taps.got), **bypass}):
+                mine = end_states(model, fit)
+                for where, name in (("pre", "input"), ("post", "output")):
+                    st = RidgeStats(d, f"end anchor ({where})")
+                    st.add_batch(mine[where], ends[where] - mine[where])
+                    sol = ridge_solve(st, a.damping)
+                    h = end_anchor(model, where, sol.W.T.float(), sol.b.float())
+                    try:
+                        kl, top1 = closeness(model, judge, refs)
+                    finally:
+                        h.remove()
+                    land({"map": f"{label}, then a least-squares map at the final norm's {name}", "kl": kl,
+                          "top1": top1, "params": span.W.numel() + span.b.numel() + d * d + d,
+                          "heldout_rel_error": None, "seconds": time.perf_counter() - t0})
+        finally:
+            taps.remove()
     rows = doc["rows"]
     lra = next(r["kl"] for r in rows if r["map"] == "x")
     md = [f"# Richer closed-form maps: {a.model}, blocks {first}–{last}", "", f"`{doc['command']}`", "",

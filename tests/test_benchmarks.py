@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -126,6 +128,21 @@ def test_richer_maps_check_rows_and_its_x_m_fit_is_the_lra_replaceme_solver(tmp_
     assert [r["map"] for r in doc["rows"]][:6] == ["pruned (no map)", *R.FEATURES]
     assert [r["params"] for r in doc["rows"]][1:3] == [d * d + d, 2 * d * d + d]
     assert doc["text"] == "random tokens" and "| x, m |" in (tmp_path / "rm.md").read_text()
+    assert [r["map"] for r in doc["rows"]][-4:] == [f"{f}, then a least-squares map at the final norm's {w}"
+                                                    for f in ("x", "x, m") for w in ("input", "output")]
+    # the end anchors act where they say: h + h W + b on the final norm's input or output
+    W, b = 0.01 * torch.randn(d, d, dtype=torch.float64), torch.randn(d, dtype=torch.float64)
+    plain = R.end_states(model, win)
+    for where in ("pre", "post"):
+        h = R.end_anchor(model, where, W, b)
+        try:
+            moved = R.end_states(model, win)
+        finally:
+            h.remove()
+        if where == "pre":
+            torch.testing.assert_close(moved["pre"], plain["pre"] + plain["pre"] @ W + b)
+        else:
+            torch.testing.assert_close(moved["post"], plain["post"] + plain["post"] @ W + b)
 
 
 def test_gram_benchmark_rows(tmp_path):
@@ -141,3 +158,50 @@ def test_gram_benchmark_rows(tmp_path):
         assert set(r["ratio"]) == set(r["max_rel_err"]) == {"8", "16"}  # JSON keys
         assert max(r["max_rel_err"].values()) < 1e-12
     assert "| 40 | [x, m, 1] (joint) |" in (tmp_path / "g.md").read_text()
+
+
+def test_low_rank_check_rows_from_one_pass_and_full_rank_equals_the_solvers(tmp_path):
+    """The low-rank comparison: one row per (rank, solver), adapter parameters 2dr + d, the joint map keeps
+    its (folded) branch map at every rank, and its full-rank rows are the solvers' own full-rank fits."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import low_rank_check as B
+
+    B.main(["--model", "random:tiny", "--layers", "3,4", "--ranks", "2,4", "--samples", "8", "--seq_len", "32",
+            "--out", str(tmp_path / "lr")])
+    doc = json.loads((tmp_path / "lr.json").read_text())
+    rows = {(r["rank"], r["solver"]): r for r in doc["rows"]}
+    assert set(rows) == {(r, s) for r in (2, 4, None) for s in B.SOLVERS}
+    import _common as C
+    import torch
+
+    d = C.build_model("random:tiny", torch.device("cpu"))[0].config.hidden_size
+    for r in (2, 4):
+        assert rows[(r, "lra_span")]["adapter_params"] == rows[(r, "lra_replaceme")]["adapter_params"] == 2 * d * r + d
+    assert rows[(None, "lra_replaceme")]["adapter_params"] == d * d + d
+    assert all(rows[(r, "lra_replaceme")]["branch_maps"] == 1 and rows[(r, "lra_span")]["branch_maps"] == 0
+               for r in (2, 4, None))
+    # full rank: what a plain calibration with the solvers gives on the same windows
+    import copy
+
+    import lightning as L
+    from anchored_check import closeness
+
+    from shift_lightning.calibration import CalibrationConfig, CalibrationModule
+    from shift_lightning.data import TokenWindows
+    from shift_lightning.fidelity import window_references
+    from shift_lightning.surgery import apply_correction, remove_blocks
+
+    model = C.build_model("random:tiny", torch.device("cpu"))[0]
+    win = C.windows(model, None, 8, 32)
+    held = torch.arange(len(win)) % 4 == 3
+    fit, judge = (TokenWindows(win.input_ids[k], win.attention_mask[k]) for k in (~held, held))
+    refs = window_references(model, judge.input_ids, judge.attention_mask)
+    mod = CalibrationModule(model, [3, 4], CalibrationConfig(heldout=False), solvers=list(B.SOLVERS))
+    mod.calibrate(L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, inference_mode=False), fit, batch_size=4)
+    for name in B.SOLVERS:
+        m = copy.deepcopy(model)
+        remove_blocks(m, [3, 4])
+        apply_correction(m, mod.correction(name), model.config.num_hidden_layers, [3, 4])
+        assert closeness(m, judge, refs)[0] == pytest.approx(rows[(None, name)]["kl"], rel=1e-5)
+    assert "| full |" in (tmp_path / "lr.md").read_text()
