@@ -149,6 +149,61 @@ def test_anchored_mode_fits_the_corrected_states_to_the_originals(tiny64):
         assert mod.reports[s.key]["again_rel_error"] == pytest.approx(mod.reports[s.key]["calib_rel_error"], rel=1e-9)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_joint_map_sequential_and_anchored_see_the_corrected_model(family):
+    """``lra_replaceme`` in ``mode: sequential`` / ``anchored`` (spans {1} and {3}): the second span's ``[x, m]``
+    are the corrected pruned model's — ``x`` after the first span's branch map and adapter, ``m`` block 2's branch
+    on those states — so its sequential fit equals an independent joint fit on the model with block 1 already
+    removed and corrected; the anchored fit regresses the ORIGINAL's state after block 3 on those same
+    ``[x, m]``. The first span sees no drift: every mode agrees there. Held-out errors on the fitting windows
+    reproduce the fit's own."""
+    from shift_lightning.arch import mlp_branch
+    from shift_lightning.calibration.solvers.joint import span_delta_map
+    from shift_lightning.stats import RidgeStats, ridge_solve
+    from shift_lightning.surgery import apply_correction
+
+    model, tok = build_tiny_model(family, num_hidden_layers=6, dtype=torch.float64, max_position_embeddings=512)
+    win, d, damping = _windows(tok), model.config.hidden_size, 1e-3
+    fits = {}
+    for mode in ("independent", "sequential", "anchored"):
+        fits[mode] = CalibrationModule(copy.deepcopy(model), [1, 3], CalibrationConfig(mode=mode, damping=damping))
+        fits[mode].calibrate(_trainer(), win)
+    first, second = fits["sequential"].spans
+    for mode in ("sequential", "anchored"):
+        for attr in ("W", "b", "T"):
+            assert_close(getattr(fits[mode].solution(first), attr), getattr(fits["independent"].solution(first), attr))
+    # the model with span {1} removed and corrected by its (any mode's) joint map
+    ref = copy.deepcopy(model)
+    one = CalibrationModule(copy.deepcopy(model), [1], CalibrationConfig(damping=damping))
+    one.calibrate(_trainer(), win)
+    remove_blocks(ref, [1])
+    apply_correction(ref, one.correction(), 6, [1])
+    after = CalibrationModule(copy.deepcopy(ref), [2], CalibrationConfig(damping=damping))  # original block 3
+    after.calibrate(_trainer(), win)
+    seq = fits["sequential"].solution(second)
+    for attr in ("W", "b", "T"):
+        assert_close(getattr(seq, attr), getattr(after.solution(after.spans[0]), attr), rtol=1e-8, atol=1e-10)
+    assert not torch.allclose(seq.W, fits["independent"].solution(second).W, atol=1e-6)
+    # anchored: [x, m] of that corrected model, target the original's state after block 3
+    got = {}
+    hook = mlp_branch(decoder_layers(ref)[1]).register_forward_hook(lambda mod, a, out: got.__setitem__("m", out))
+    x, _ = _capture(ref, win, 2, 3)
+    hook.remove()
+    xo, do = _capture(model, win, 3, 4)
+    mask = win.attention_mask.bool()
+    st = RidgeStats(2 * d, out_dim=d)
+    st.add_batch(torch.cat([x, got["m"][mask].double()], 1), xo + do - x)
+    want = ridge_solve(st, damping, groups=(d, d))
+    anc = fits["anchored"].solution(second)
+    Wj, bj = span_delta_map(torch.eye(d, dtype=torch.float64) + anc.W, anc.b, anc.T)
+    assert_close(Wj, want.W, rtol=1e-7, atol=1e-9)
+    assert_close(bj, want.b, rtol=1e-7, atol=1e-9)
+    mod = fits["anchored"]
+    mod.measure(_trainer(), win, key="again")
+    for s in mod.sites:
+        assert mod.reports[s.key]["again_rel_error"] == pytest.approx(mod.reports[s.key]["calib_rel_error"], rel=1e-9)
+
+
 def test_merged_adapters_equal_the_chain(tiny64):
     model, tok = tiny64
     win = _windows(tok)
@@ -266,12 +321,13 @@ def test_adapter_rank_is_checked_against_the_hidden_size(tiny64, tmp_path, caplo
     d = model.config.hidden_size
     with pytest.raises(ConfigError, match=rf"rank {d + 1} exceeds the model's hidden size d = {d}.*null for full rank"):
         CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra", rank=d + 1))
-    # a low rank for a solver without one, and the joint map's sequential fit: both errors name the solver to set
+    # a low rank, or a sequential fit, for a solver without one: both errors name the solvers to set
     with pytest.raises(ConfigError, match=r"rank applies to the lra / .* / lra_replaceme solvers, not to 'guarded_joint'.*"
                                           r"--calibration.solver lra_replaceme \(the default\) or lra"):
         CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="guarded_joint", rank=8))
-    with pytest.raises(ConfigError, match=r"mode sequential fits one solver.*lra_replaceme here.*--calibration.solver lra"):
-        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_replaceme", mode="sequential"))
+    with pytest.raises(ConfigError, match=r"mode sequential fits one solver of lra, .*lra_replaceme; the others \(replaceme "
+                                          r"here\).*--calibration.solver lra_replaceme \(the default\) or lra"):
+        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="replaceme", mode="sequential"))
     with pytest.raises(ConfigError, match=rf"guard_ranks \[{d + 5}\] exceed"):
         CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="guarded", guard_ranks=[4, d + 5]))
     out = tmp_path / "run"
@@ -313,6 +369,7 @@ def _cli(*args, world=1, env_extra=None):
     ["--calibration.solver", "lra", "--calibration.mode", "anchored", "--calibration.granularity", "block", "--prune.layers", "[1, 3, 4]"],
     ["--calibration.solver", "lra_auto", "--calibration.mode", "auto", "--prune.layers", "[1, 3, 4]"],
     ["--calibration.solver", "lra_replaceme", "--prune.layers", "[0, 2, 3]"],  # a span with a branch before it, one without
+    ["--calibration.mode", "anchored", "--prune.layers", "[0, 2, 4]"],  # the joint map (default) walked: 3 spans
 ])
 def test_ddp_two_processes_match_one(tmp_path, extra):
     _cli("--output_dir", str(tmp_path / "one"), *extra)

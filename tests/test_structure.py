@@ -293,7 +293,7 @@ def test_the_default_solver_is_the_one_the_readme_and_the_main_config_name():
 
     default = CalibrationConfig().solver
     row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `--calibration.*`"))
-    assert "`solver` (" in row and f"; default `{default}`," in row.split("`solver` (", 1)[1].split(")", 1)[0]
+    assert "`solver` (" in row and row.split("`solver` (", 1)[1].split(")", 1)[0].split("; ")[1] == f"default `{default}`"
     main = yaml.safe_load((ROOT / "configs" / "smollm2_reverse_star.yaml").read_text())
     assert main["calibration"]["solver"] == default == TargetsSummaryConfig().default
 

@@ -23,7 +23,7 @@ class CalibrationConfig:
 
     solver: SolverName = "lra_replaceme"
     """The map (default ``lra_replaceme``, by the README's switch rule: the closest repair of both grids at
-    1.00–1.09× the LRA's calibration time; low rank with ``rank``; ``lra`` for ``mode: sequential``):
+    1.00–1.09× the LRA's calibration time; low rank with ``rank``, walked with ``mode: sequential / anchored``):
     ``lra`` (y = x + xWᵀ + b, the paper's LRA), ``lra_span`` (the LRA fitted once per
     contiguous span, = ``lra`` with ``granularity: span``), ``lra_anchored`` (the span LRA fitted in
     ``mode: anchored``, to the original's state at the span's end), ``lra_auto`` (with ``mode: auto``:

@@ -32,7 +32,7 @@ from .maps import Correction, SpanMap, adapter_from, as_affine, assemble, chain
 from .sequential import SequentialWalk
 from .sites import Site, make_sites, sites_in, span_sites
 from .solve import Job, solve_shared
-from .solvers import Solver, get_solver
+from .solvers import SOLVERS, Solver, get_solver
 from .solvers.guard import Candidate, Guarded
 from .solvers.joint import span_delta_map
 
@@ -57,9 +57,10 @@ class CalibrationModule(DataPass):
             for inner in self.solvers[name].wraps:
                 self.solvers.setdefault(inner, get_solver(inner, cfg))
         if cfg.mode != "independent" and (len(self.requested) > 1 or not self.solvers[self.requested[0]].sequential):
-            raise ConfigError(f"--calibration.mode {cfg.mode} fits one solver of the LRA family (lra, nobias, affine); "
-                              f"the others ({', '.join(self.requested)} here) are fitted on the original model: set "
-                              "--calibration.solver lra (or nobias / affine), or --calibration.mode independent")
+            able = [n for n, c in SOLVERS.items() if c.sequential and c.mode in (None, cfg.mode)]
+            raise ConfigError(f"--calibration.mode {cfg.mode} fits one solver of {', '.join(able)}; the others "
+                              f"({', '.join(self.requested)} here) are fitted on the original model: set "
+                              "--calibration.solver lra_replaceme (the default) or lra, or --calibration.mode independent")
         self.removed = sorted(removed)
         self.num_layers = len(decoder_layers(model))  # the original depth (the model may be pruned later)
         self.dim = model.config.hidden_size
@@ -123,7 +124,8 @@ class CalibrationModule(DataPass):
         return self._collector.stats
 
     def _sequential(self, trainer, windows, batch_size, on_site, stage):
-        self._walk = SequentialWalk(self.model, self.sites, self.dim, self.cfg.accum_dtype, self.cfg.mode == "anchored")
+        self._walk = SequentialWalk(self.model, self.sites, self.dim, self.cfg.accum_dtype, self.cfg.mode == "anchored",
+                                    joint="joint" in self.solvers[self.primary].needs)
         self._on_site, self.stage = on_site, stage
         try:
             self.run(trainer, windows, batch_size)
@@ -165,7 +167,7 @@ class CalibrationModule(DataPass):
                 self.statistics[site.key] = stats
                 sol = solve_shared([Job(solver.name, site, solver, stats)], self.dim, stats.io.buffer.device)[0]
                 self._store(solver, site, sol, stats)
-                return self.adapter(solver.name, site)
+                return self.adapter(solver.name, site), sol.T
 
             self._sequential(trainer, windows, batch_size, fit_site, f"calibration statistics ({self.cfg.mode})")
         self.solve_seconds = time.time() - t0
@@ -290,9 +292,10 @@ class CalibrationModule(DataPass):
             name = self.primary
 
             def measure_site(site, stats):
-                Wd, bd = self.solutions[name][site.key].delta_map()
-                self._record(site, name, key, stats.io.relative_error(Wd, bd), stats.io.num_tokens)
-                return self.adapter(name, site)
+                sol = self.solutions[name][site.key]
+                st, (Wd, bd) = self.solvers[name].fitted_on(sol, stats)
+                self._record(site, name, key, st.relative_error(Wd, bd), st.num_tokens)
+                return self.adapter(name, site), sol.T
 
             self._sequential(trainer, windows, batch_size, measure_site, f"held-out errors ({self.cfg.mode})")
             return

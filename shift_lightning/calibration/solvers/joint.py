@@ -24,6 +24,10 @@ corrected model is again an LRA plus a ReplaceMe map: saved, loaded and exported
 
 A span starting at block 0 has no branch before it: it gets the span LRA alone (noted).
 
+**Modes.** ``--calibration.mode sequential`` / ``anchored`` fit each span on the corrected pruned model's
+``[x, m]`` (``m`` of the kept block before the span, run on the corrected states), to the span's update or to
+the original's state at its end (:mod:`~shift_lightning.calibration.sequential`).
+
 **Low rank** (``--calibration.rank r``): the adapter's ``A`` is constrained to rank r, ``B`` (folded into
 ``down_proj``, no parameters) stays full and is refitted given ``A``: the exact optimum of the same ridge
 objective over rank(``A``) ≤ r (:func:`~shift_lightning.stats.ridge_solve`, via the Schur complement of the
@@ -61,7 +65,7 @@ def span_delta_map(M: torch.Tensor, c: torch.Tensor, T: torch.Tensor) -> tuple[t
 @register
 class LRAReplaceMe(Solver):
     name, label = "lra_replaceme", "+LRA & ReplaceMe (joint)"
-    per_span = low_rank = True
+    per_span = low_rank = sequential = True
     needs = frozenset({"io", "joint"})
 
     def fitted_on(self, sol: Solution, stats: SiteStatistics):
