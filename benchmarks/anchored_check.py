@@ -56,6 +56,7 @@ def main(argv=None):
     ap.add_argument("--modes", default="independent,sequential,anchored")
     ap.add_argument("--granularity", default="span", help="span, block or both (comma-separated)")
     ap.add_argument("--grid", default="results/paper", help="where the criteria's block choices are")
+    ap.add_argument("--solver", default="lra", help="a solver that walks: lra (the LRA family) or lra_replaceme")
     ap.add_argument("--out", default="results/bench/anchored_check_smollm2")
     a = ap.parse_args(argv)
     model, tok = C.build_model(a.model, torch.device("cpu"))
@@ -72,7 +73,7 @@ def main(argv=None):
     out = Path(a.out)
     done = json.loads(out.with_suffix(".json").read_text())["rows"] if out.with_suffix(".json").exists() else []
     rows = list(done)
-    seen = {(r["criterion"], r["granularity"], r["mode"]) for r in rows}
+    seen = {(r["criterion"], r["granularity"], r["mode"], r.get("solver", "lra")) for r in rows}
     doc = {"command": "python benchmarks/anchored_check.py " + " ".join(f"--{k} {v}" for k, v in vars(a).items()),
            "model": a.model, "machine": C.machine(torch.device("cpu")), "fit_windows": len(fit),
            "judge_windows": len(judge), "rows": rows}
@@ -82,18 +83,19 @@ def main(argv=None):
         layers = sel["layers"]
         for gran in a.granularity.split(","):
             for mode in a.modes.split(","):
-                if (crit, gran, mode) in seen:
+                if (crit, gran, mode, a.solver) in seen:
                     continue
                 m = copy.deepcopy(model)
                 t0 = time.perf_counter()
-                mod = CalibrationModule(m, layers, CalibrationConfig(solver="lra", mode=mode, granularity=gran, heldout=False))
+                mod = CalibrationModule(m, layers, CalibrationConfig(solver=a.solver, mode=mode, granularity=gran,
+                                                                     heldout=False))
                 mod.calibrate(trainer, fit, batch_size=4)
                 secs = time.perf_counter() - t0
                 remove_blocks(m, layers)
                 apply_correction(m, mod.correction(), L_, layers)
                 kl, top1 = closeness(m, judge, refs)
                 rows.append({"criterion": crit, "pruned_layers": layers, "spans": len(make_sites(layers, "span")),
-                             "granularity": gran, "mode": mode, "kl": kl, "top1": top1, "seconds": secs})
+                             "granularity": gran, "mode": mode, "solver": a.solver, "kl": kl, "top1": top1, "seconds": secs})
                 print(rows[-1], flush=True)
                 doc["rows"] = rows
                 write_json_atomic(str(out.with_suffix(".json")), doc)
@@ -102,11 +104,11 @@ def main(argv=None):
           f"`{doc['command']}`", "",
           f"{doc['fit_windows']} mixed windows × 512 fitted, {doc['judge_windows']} held out (every 4th); KL(original ‖ model) "
           "in nats per position (original's top-256), top-1 agreement; calibration seconds (one process, shared cores).", "",
-          "| criterion | removed | spans | granularity | mode | KL | top-1 % | seconds |",
-          "|---|---|---:|---|---|---:|---:|---:|"]
+          "| criterion | removed | spans | solver | granularity | mode | KL | top-1 % | seconds |",
+          "|---|---|---:|---|---|---|---:|---:|---:|"]
     for r in rows:
         md.append(f"| {r['criterion']} | {blocks_label(r['pruned_layers'])} | "
-                  f"{r['spans']} | {r['granularity']} | {r['mode']} | {r['kl']:.4f} | {100 * r['top1']:.1f} | "
+                  f"{r['spans']} | {r.get('solver', 'lra')} | {r['granularity']} | {r['mode']} | {r['kl']:.4f} | {100 * r['top1']:.1f} | "
                   f"{r['seconds']:.0f} |")
     write_text_atomic(str(out.with_suffix(".md")), "\n".join(md) + "\n")
     print("\n".join(md))
