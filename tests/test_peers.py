@@ -599,6 +599,24 @@ def test_lra_anchored_is_the_span_lra_fitted_in_anchored_mode(tiny):
         CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_anchored"))
 
 
+def test_lra_replaceme_anchored_is_the_joint_map_fitted_in_anchored_mode(tiny):
+    """``lra_replaceme_anchored`` is ``lra_replaceme`` with ``mode: anchored`` (the same adapters and branch maps);
+    it refuses any other mode, naming the fix."""
+    model, tok = tiny
+    win = _windows(tok, n=8)
+    cfg = CalibrationConfig(damping=1e-6, mode="anchored")
+    named = _fit_cfg(model, [2, 3, 5], ["lra_replaceme_anchored"], win, cfg).correction("lra_replaceme_anchored")
+    alias = _fit_cfg(model, [2, 3, 5], ["lra_replaceme"], win, cfg).correction("lra_replaceme")
+    x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
+    assert set(named.adapters) == set(alias.adapters) and set(named.branch_maps) == set(alias.branch_maps) == {1, 4}
+    for at in named.adapters:
+        assert_close(named.adapters[at](x), alias.adapters[at](x), rtol=1e-10, atol=1e-10)
+    for at in named.branch_maps:
+        assert_close(named.branch_maps[at], alias.branch_maps[at], rtol=1e-10, atol=1e-10)
+    with pytest.raises(ConfigError, match="lra_replaceme_anchored.*--calibration.mode anchored"):
+        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_replaceme_anchored"))
+
+
 def test_replaceme_cosine_follows_the_reference_recipe(tiny):
     """Adam from T = I on cos(m T, m + Δ): the loss falls, the map points where least squares does,
     and the fit is deterministic (seeded order)."""

@@ -284,7 +284,7 @@ def test_anchored_and_auto_rows_take_passes_of_their_own(tmp_path):
     the fit it chose (the per-block LRA, or the span LRA, which the three span fits equal here)."""
     from shift_lightning.recipes.reproduce import run
 
-    variants = ["pruned", "lra", "lra_span", "lra_anchored", "lra_auto"]
+    variants = ["pruned", "lra", "lra_span", "lra_anchored", "lra_auto", "lra_replaceme", "lra_replaceme_anchored"]
     folder = run(_tiny_grid(tmp_path, criteria=["reverse_star"], variants=variants, out=str(tmp_path / "g"),
                             calib_samples=8))
     rows = {v: json.loads((folder / "reverse_star" / f"{v}.json").read_text()) for v in variants[1:]}
@@ -299,7 +299,8 @@ def test_anchored_and_auto_rows_take_passes_of_their_own(tmp_path):
     # its maps are the span LRA's, so that row's zero-shot outcomes are reused once perplexity and KL agree
     assert rows["lra_anchored"]["tasks_from"] == "reverse_star/lra_span"
     assert rows["lra_anchored"]["maps_check"]["max_rel_diff"] <= 1e-4
-    for a, b in (("lra_anchored", "lra_span"), ("lra_auto", same)):
+    assert rows["lra_replaceme_anchored"]["tasks_from"] == "reverse_star/lra_replaceme"  # likewise the joint map
+    for a, b in (("lra_anchored", "lra_span"), ("lra_auto", same), ("lra_replaceme_anchored", "lra_replaceme")):
         for ppl_set, e in rows[b]["perplexity"].items():
             assert rows[a]["perplexity"][ppl_set]["ppl"] == pytest.approx(e["ppl"], rel=1e-5)
         for kl_set, v in rows[b]["kl"].items():

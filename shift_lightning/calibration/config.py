@@ -14,7 +14,8 @@ log = logging.getLogger(__name__)
 #: The registered solvers (:mod:`shift_lightning.calibration.solvers`), as the config's choices.
 #: ``tests/test_structure.py`` checks that this list and the registry agree.
 SolverName = Literal["lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "affine", "replaceme", "replaceme_cosine",
-                     "lra_replaceme", "linearpatch", "lra_guard", "guarded", "guarded_span", "guarded_joint"]
+                     "lra_replaceme", "lra_replaceme_anchored", "linearpatch", "lra_guard", "guarded", "guarded_span",
+                     "guarded_joint"]
 
 
 @dataclass
@@ -32,7 +33,8 @@ class CalibrationConfig:
     ``affine`` (y = xAᵀ + c, no identity path; ablation), ``replaceme`` (ReplaceMe's least-squares map
     folded into the last kept block's MLP), ``replaceme_cosine`` (ReplaceMe's cosine-objective map,
     Adam on cached activations: its strongest training-free variant), ``lra_replaceme`` (the span LRA
-    and ReplaceMe's branch map fitted together, one ridge on ``[x, m]``), ``linearpatch`` (LinearPatch's
+    and ReplaceMe's branch map fitted together, one ridge on ``[x, m]``), ``lra_replaceme_anchored`` (that map
+    fitted in ``mode: anchored``), ``linearpatch`` (LinearPatch's
     P = H D Hᵀ), ``lra_guard`` (the LRA with its ridge strength chosen per site by held-out
     reconstruction error), ``guarded`` (per span the map among none / the LRA along its ridge path /
     no bias / ReplaceMe that keeps the model closest to the original on held-out calibration

@@ -11,7 +11,6 @@ model, :attr:`solutions` the fitted maps, :attr:`reports` the per-site errors.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import replace
 
@@ -36,8 +35,6 @@ from .solvers import SOLVERS, Solver, get_solver
 from .solvers.guard import Candidate, Guarded
 from .solvers.joint import span_delta_map
 
-log = logging.getLogger(__name__)
-
 
 class CalibrationModule(DataPass):
     """Gradient-free statistics pass(es) + distributed closed-form solve (see the module doc)."""
@@ -57,10 +54,9 @@ class CalibrationModule(DataPass):
             for inner in self.solvers[name].wraps:
                 self.solvers.setdefault(inner, get_solver(inner, cfg))
         if cfg.mode != "independent" and (len(self.requested) > 1 or not self.solvers[self.requested[0]].sequential):
-            able = [n for n, c in SOLVERS.items() if c.sequential and c.mode in (None, cfg.mode)]
-            raise ConfigError(f"--calibration.mode {cfg.mode} fits one solver of {', '.join(able)}; the others "
-                              f"({', '.join(self.requested)} here) are fitted on the original model: set "
-                              "--calibration.solver lra_replaceme (the default) or lra, or --calibration.mode independent")
+            able = ", ".join(n for n, c in SOLVERS.items() if c.sequential and c.mode in (None, cfg.mode))
+            raise ConfigError(f"--calibration.mode {cfg.mode} fits one solver of {able} (others fit the original model), got "
+                              f"{', '.join(self.requested)}: set --calibration.solver lra_replaceme (the default) or lra")
         self.removed = sorted(removed)
         self.num_layers = len(decoder_layers(model))  # the original depth (the model may be pruned later)
         self.dim = model.config.hidden_size
@@ -125,7 +121,7 @@ class CalibrationModule(DataPass):
 
     def _sequential(self, trainer, windows, batch_size, on_site, stage):
         self._walk = SequentialWalk(self.model, self.sites, self.dim, self.cfg.accum_dtype, self.cfg.mode == "anchored",
-                                    joint="joint" in self.solvers[self.primary].needs)
+                                    "joint" in self.solvers[self.primary].needs)
         self._on_site, self.stage = on_site, stage
         try:
             self.run(trainer, windows, batch_size)

@@ -44,6 +44,7 @@ COLUMNS = (("wiki", "pruned", "pruned"), ("wiki", "lra", "+LRA"), ("wiki", "repl
            ("mixed", "replaceme_cosine", "+ReplaceMe (cosine), mixed calib."), ("mixed", "guarded", "+guarded, mixed calib."),
            ("mixed", "guarded_span", "+guarded (span LRA), mixed calib."),
            ("mixed", "lra_replaceme", "+LRA & ReplaceMe (joint), mixed calib."),
+           ("mixed", "lra_replaceme_anchored", "+LRA & ReplaceMe (joint), anchored, mixed calib."),
            ("mixed", "guarded_joint", "+guarded (joint), mixed calib."))
 
 

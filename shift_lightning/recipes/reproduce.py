@@ -81,11 +81,12 @@ class ReproduceConfig:
     criteria: list[str] = field(default_factory=lambda: list(CRITERIA_ORDER))
     """Criteria to run, in this order."""
     variants: list[Literal["pruned", "lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "affine", "replaceme",
-                           "replaceme_cosine", "lra_replaceme", "linearpatch", "lra_guard", "guarded", "guarded_span",
-                           "guarded_joint"]] = field(
+                           "replaceme_cosine", "lra_replaceme", "lra_replaceme_anchored", "linearpatch", "lra_guard",
+                           "guarded", "guarded_span", "guarded_joint"]] = field(
         default_factory=lambda: list(VARIANTS))
-    """Row variants per criterion (``lra_span``, ``lra_anchored``, ``lra_auto``, ``lra_replaceme``, ``guarded_span`` and
-    ``guarded_joint`` are opt-in: not among the defaults; ``lra_anchored`` takes a calibration pass of its own, in ``mode: anchored``, and
+    """Row variants per criterion (``lra_span``, ``lra_anchored``, ``lra_auto``, ``lra_replaceme``,
+    ``lra_replaceme_anchored``, ``guarded_span`` and ``guarded_joint`` are opt-in: not among the defaults;
+    ``lra_anchored`` and ``lra_replaceme_anchored`` take a calibration pass of their own, in ``mode: anchored``, and
     ``lra_auto`` its own fits, in ``mode: auto``)."""
     fill: Literal["all", "new", "closeness"] = "all"
     """``all``: missing runs, and closeness for finished runs that lack it; ``new``: missing runs only;
@@ -311,10 +312,11 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
         calib = ctx.windows(cfg.calib_samples, cfg.seq_len, source=cfg.calib_source)
         heldout = ctx.windows(cfg.heldout_samples, cfg.seq_len, split="heldout")
         base = CalibrationConfig(damping=cfg.damping, guard_every=cfg.guard_every)
-        by_mode: dict[str, list[str]] = {}  # one pass per calibration mode a solver is defined by
+        by_mode: dict[tuple, list[str]] = {}  # one pass per calibration mode a solver is defined by (a walk: per solver)
         for v in solvers:
-            by_mode.setdefault(SOLVERS[v].mode or "independent", []).append(v)
-        for mode, names in by_mode.items():
+            mode = SOLVERS[v].mode or "independent"
+            by_mode.setdefault((mode, "" if mode == "independent" else v), []).append(v)
+        for (mode, _), names in by_mode.items():
             module = CalibrationModule(model, layers, replace(base, mode=mode), solvers=names)
             module.calibrate(ctx.make_trainer(), calib, heldout, batch_size=4)
             modules.update(dict.fromkeys(names, module))
@@ -363,11 +365,14 @@ def _twin(cfg: ReproduceConfig, module: CalibrationModule, variant: str) -> str 
     ``guarded_span`` / ``guarded_joint``, one LRA per span wherever a span has two or more blocks (``lra_span``);
     ``guarded_joint`` that kept the joint map at every span (``lra_replaceme``); the span
     LRA where every span is one block (the per-block ``lra``), and the anchored span LRA where there is
-    one span (nothing before it to anchor: the span LRA; :func:`~shift_lightning.calibration.auto.coinciding_fits`)."""
+    one span (nothing before it to anchor: the span LRA; :func:`~shift_lightning.calibration.auto.coinciding_fits`);
+    likewise the anchored joint map where there is one span (the joint map)."""
     if module.fit_choice is not None:
         return module.fit_choice.get("chosen")
     if variant in ("lra_span", "lra_anchored"):
         return coinciding_fits(LRAAuto.fits, module.spans).get(variant)
+    if variant == "lra_replaceme_anchored":  # one span: nothing before it to anchor
+        return "lra_replaceme" if len(module.spans) == 1 else None
     if variant not in module.guards:
         return None
     lra = f"lra@{cfg.damping:g}"

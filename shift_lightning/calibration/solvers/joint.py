@@ -92,3 +92,12 @@ class LRAReplaceMe(Solver):
         T = eye + torch.linalg.solve(IA.T, B.T).T          # T − I = B (I + A)⁻¹
         return Solution(A.T.contiguous(), sol.b, sol.U, sol.V, sol.lam, "residual", T=T.contiguous(),
                         info={"joint": True, "cond_I_plus_A": cond})
+
+
+@register
+class LRAReplaceMeAnchored(LRAReplaceMe):
+    """The joint map fitted in ``--calibration.mode anchored`` (= ``lra_replaceme`` with ``mode: anchored``; a name
+    of its own so that a grid can run it as a row, as ``lra_anchored`` is the anchored span LRA)."""
+
+    name, label = "lra_replaceme_anchored", "+LRA & ReplaceMe (joint), anchored"
+    mode = "anchored"
