@@ -19,7 +19,8 @@ the first and the last site a second time, and a second cached state per batch.
 ``joint`` (the ``lra_replaceme`` solver): each site also needs ``m``, the MLP-branch output of the kept block
 ``start − 1`` on the corrected pruned model's states (kept from the caching pass for the first site, from
 the walk for later ones), and its statistics are ``([x, m], Δ)``. Its solution moves the states on as the
-corrected model will: ReplaceMe's half first (``x' = x + m (T − I)``), then the adapter.
+corrected model will: ReplaceMe's half first (``x' = x + m (T − I)``), then the adapter. It keeps one more
+cached state per batch (``m``, as wide as the hidden state).
 """
 
 from __future__ import annotations
