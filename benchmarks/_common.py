@@ -79,6 +79,22 @@ def windows(model, tok, num: int, seq_len: int, split: str = "calibration", seed
     return TokenWindows(ids, torch.ones_like(ids))
 
 
+def heldout_split(model, tok, num: int = 64, seq_len: int = 512):
+    """The grids' held-out checks: ``num`` mixed calibration windows (random tokens for a random model), every
+    4th held out. Returns ``(fit, judge, refs)``, ``refs`` the original's references on the held-out windows."""
+    from shift_lightning.data import TextDataConfig, TokenWindows, build_windows
+    from shift_lightning.fidelity import window_references
+
+    if tok is not None:
+        win = build_windows(TextDataConfig(source="mixed", num_samples=num, seq_len=seq_len), tok, model.config.model_type)
+    else:
+        win = windows(model, None, num, seq_len)
+    held = torch.arange(len(win)) % 4 == 3
+    fit = TokenWindows(win.input_ids[~held], win.attention_mask[~held])
+    judge = TokenWindows(win.input_ids[held], win.attention_mask[held])
+    return fit, judge, window_references(model, judge.input_ids, judge.attention_mask)
+
+
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()

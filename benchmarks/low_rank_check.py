@@ -27,8 +27,6 @@ from anchored_check import closeness  # the held-out KL / top-1 of the grids' ch
 import torch  # noqa: E402
 
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule  # noqa: E402
-from shift_lightning.data import TextDataConfig, TokenWindows, build_windows  # noqa: E402
-from shift_lightning.fidelity import window_references  # noqa: E402
 from shift_lightning.models import num_params  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
 from shift_lightning.surgery import apply_correction, remove_blocks  # noqa: E402
@@ -52,15 +50,7 @@ def main(argv=None):
         layers = sorted(int(v) for v in a.layers.split(","))
     else:
         layers = json.loads((Path(a.grid) / a.model / a.criterion / "selection.json").read_text())["layers"]
-    if tok is not None:
-        win = build_windows(TextDataConfig(source="mixed", num_samples=a.samples, seq_len=a.seq_len), tok,
-                            model.config.model_type)
-    else:
-        win = C.windows(model, None, a.samples, a.seq_len)
-    held = torch.arange(len(win)) % 4 == 3
-    fit = TokenWindows(win.input_ids[~held], win.attention_mask[~held])
-    judge = TokenWindows(win.input_ids[held], win.attention_mask[held])
-    refs = window_references(model, judge.input_ids, judge.attention_mask)
+    fit, judge, refs = C.heldout_split(model, tok, a.samples, a.seq_len)
     d, n_layers = model.config.hidden_size, model.config.num_hidden_layers
     ranks = [int(r) for r in a.ranks.split(",") if int(r) < d] + [None]
     out = Path(a.out or f"results/bench/low_rank_{a.model.replace(':', '_')}_{a.criterion}")

@@ -45,8 +45,7 @@ from torch import nn  # noqa: E402
 
 from shift_lightning.arch import (Bypass, block_input, block_output, decoder_layers, final_norm, mlp_branch,  # noqa: E402
                                   swapped_blocks, with_block_input)
-from shift_lightning.data import TextDataConfig, TokenWindows, build_windows  # noqa: E402
-from shift_lightning.fidelity import window_references  # noqa: E402
+from shift_lightning.data import TokenWindows  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
 from shift_lightning.stats import RidgeStats, ridge_solve  # noqa: E402
 
@@ -202,15 +201,7 @@ def main(argv=None):
     if start < 1:
         raise SystemExit("the span must have a block before it (the m and a features come from block start − 1)")
     out = Path(a.out or f"results/bench/richer_maps_{a.model.replace(':', '_')}_{a.criterion}")
-    if tok is not None:
-        win = build_windows(TextDataConfig(source="mixed", num_samples=a.samples, seq_len=a.seq_len), tok,
-                            model.config.model_type)
-    else:
-        win = C.windows(model, None, a.samples, a.seq_len)
-    held = torch.arange(len(win)) % 4 == 3
-    fit = TokenWindows(win.input_ids[~held], win.attention_mask[~held])
-    judge = TokenWindows(win.input_ids[held], win.attention_mask[held])
-    refs = window_references(model, judge.input_ids, judge.attention_mask)
+    fit, judge, refs = C.heldout_split(model, tok, a.samples, a.seq_len)
     d, d_ff = model.config.hidden_size, model.config.intermediate_size
     n_layers = len(decoder_layers(model))
     doc = {"command": "python benchmarks/richer_maps_check.py " + " ".join(f"--{k} {v}" for k, v in vars(a).items()
