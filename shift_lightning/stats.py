@@ -302,22 +302,20 @@ def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = Non
         )
     B = torch.cholesky_solve(Sxy, L)                   # Wᵀ = (XᵀX + λI)⁻¹ XᵀΔ   (d, d_out)
     U = V = None
-    k = groups[0]                                      # the rank constrains these rows of B
+    k = groups[0]                                      # the rank constrains these rows of B (all without groups)
     if rank is not None and rank < k:
+        A = B[:k]
         if k == d:
-            M = B.T @ Sxy                              # Bᵀ H B   (d_out, d_out), symmetric PSD
+            M = A.T @ Sxy                              # Aᵀ H A   (d_out, d_out), symmetric PSD
         else:                                          # Aᵀ (H/H₂₂) A with the Schur complement H/H₂₂
             L2 = torch.linalg.cholesky(H[k:, k:])
-            schur = H[:k, :k] - H[:k, k:] @ torch.cholesky_solve(H[k:, :k], L2)
-            M = B[:k].T @ schur @ B[:k]
+            M = A.T @ (H[:k, :k] - H[:k, k:] @ torch.cholesky_solve(H[k:, :k], L2)) @ A
         evals, evecs = torch.linalg.eigh(0.5 * (M + M.T))
         Pr = evecs[:, -rank:]                          # top-r eigenvectors
-        U, V = Pr, B[:k] @ Pr                          # A' = V Prᵀ, the first group's block of W: U Vᵀ
-        if k == d:
-            B = V @ Pr.T
-        else:                                          # B₂ = H₂₂⁻¹ (S₂ − H₂₁ A'), refitted given A'
-            A = V @ Pr.T
-            B = torch.cat([A, torch.cholesky_solve(Sxy[k:] - H[k:, :k] @ A, L2)])
+        U, V = Pr, A @ Pr                              # A' = V Prᵀ (W's first block = U Vᵀ)
+        A = V @ Pr.T
+        # the other groups refitted given A': B₂ = H₂₂⁻¹ (S₂ − H₂₁ A')
+        B = A if k == d else torch.cat([A, torch.cholesky_solve(Sxy[k:] - H[k:, :k] @ A, L2)])
     W = B.T.contiguous()
     b = my - W @ mx
     return Solution(W, b, U, V, float(lam), kind)

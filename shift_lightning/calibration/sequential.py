@@ -101,19 +101,18 @@ class SequentialWalk:
         while j < last:
             site = site_at.get(j)
             if site is None:
-                tap_next = self.joint and (j + 1) in site_at
-                for e in self.cached:
-                    tapped: dict = {}
-                    tap = self._branch_tap(j, tapped) if tap_next else None
-                    try:
+                tapped: dict = {}  # block j's branch on the corrected states, before a joint site
+                tap = self._branch_tap(j, tapped) if self.joint and (j + 1) in site_at else None
+                try:
+                    for e in self.cached:
                         e["h"] = run_block(j, e, e["h"])
-                    finally:
                         if tap is not None:
-                            tap.remove()
-                    if tap_next:
-                        e["m"] = tapped["m"]
-                    if self.anchored:
-                        e["o"] = run_block(j, e, e["o"])
+                            e["m"] = tapped["m"]
+                        if self.anchored:
+                            e["o"] = run_block(j, e, e["o"])
+                finally:
+                    if tap is not None:
+                        tap.remove()
                 j += 1
                 continue
             flats = [torch.zeros(RidgeStats.numel(self.dim), dtype=torch.float64, device=device)]
@@ -136,10 +135,11 @@ class SequentialWalk:
             reduce(flats)
             adapter, T = on_site(site, stats)
             adapter = adapter.to(device)
+            shift = None if T is None else T - torch.eye(self.dim, dtype=T.dtype, device=T.device)
             for e in self.cached:
                 h = e["h"]
-                if T is not None:  # ReplaceMe's half first: x' = x + m (T − I)
-                    h = h + e["m"] @ (T - torch.eye(self.dim, dtype=T.dtype, device=T.device)).to(h)
+                if shift is not None:  # ReplaceMe's half first: x' = x + m (T − I)
+                    h = h + e["m"] @ shift.to(h)
                 e["h"] = adapter(h)
             j = site.end
         self.cached = []
