@@ -1,5 +1,5 @@
-"""``--calibration.mode auto`` (solver ``lra_auto``): each way of fitting the LRA judged on held-out
-calibration windows, the closest refitted on all of them."""
+"""``--calibration.mode auto`` (solvers ``lra_auto`` and ``lra_replaceme_auto``): each way of fitting the LRA
+(the joint map) judged on held-out calibration windows, the closest refitted on all of them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch.testing import assert_close
 
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.calibration.maps import assemble
+from shift_lightning.calibration.solvers.joint import LRAReplaceMeAuto
 from shift_lightning.calibration.solvers.ridge import LRAAuto
 from shift_lightning.data import TokenWindows
 from shift_lightning.errors import ConfigError
@@ -80,8 +81,12 @@ def test_auto_maps_are_the_chosen_fit_refitted_on_all_windows(fitted):
 
 def test_auto_refuses_what_it_cannot_do(fitted):
     model, win, _, _ = fitted
-    with pytest.raises(ConfigError, match="mode auto.*--calibration.solver lra_auto"):
-        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra", mode="auto"))
+    for solver in ("lra", "lra_replaceme", "lra_replaceme_anchored"):  # the message names the auto solvers
+        with pytest.raises(ConfigError, match="mode auto.*lra_auto / lra_replaceme_auto solvers.*--calibration.solver "
+                                              "lra_replaceme_auto.*or lra_auto"):
+            CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver=solver, mode="auto"))
+    with pytest.raises(ConfigError, match="lra_replaceme_auto.*--calibration.mode auto"):
+        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_replaceme_auto"))
     with pytest.raises(ConfigError, match="lra_auto.*--calibration.mode auto"):
         CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_auto"))
     mod = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_auto", mode="auto"))
@@ -123,3 +128,98 @@ def test_fits_that_coincide_for_the_removed_blocks_are_fitted_and_judged_once(re
     res = mod.fit_choice
     assert res["same_as"] == same and list(res["kl"]) == [f[0] for f in LRAAuto.fits]
     assert all(res["kl"][n] == res["kl"][t] for n, t in same.items()) and res["chosen"] not in same
+
+
+# ---------------------------------------------------------------- the joint map (lra_replaceme_auto)
+def _fit_joint(model, win, cfg, mode, removed=REMOVED):
+    m = CalibrationModule(copy.deepcopy(model), removed, replace(cfg, solver="lra_replaceme", mode=mode,
+                                                                 granularity="span"))
+    m.calibrate(_trainer(), win, batch_size=4)
+    return m
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def fitted_joint(request):
+    model, tok = build_tiny_model(request.param, num_hidden_layers=6, dtype=torch.float64)
+    win = _windows(tok, n=8)
+    cfg = CalibrationConfig(solver="lra_replaceme_auto", mode="auto", damping=1e-4, guard_topk=16)
+    mod = CalibrationModule(copy.deepcopy(model), REMOVED, cfg)
+    mod.calibrate(_trainer(), win, batch_size=4)
+    return model, win, cfg, mod
+
+
+def test_joint_auto_judges_each_walk_of_the_joint_map_with_both_halves_in_place(fitted_joint):
+    """Each fit's held-out KL is that of the pruned model built by surgery with the joint map fitted that way
+    (on the other windows): adapter AND ReplaceMe's branch map in place. A judge that dropped the branch map
+    would score another model; the three fits genuinely differ."""
+    model, win, cfg, mod = fitted_joint
+    res = mod.fit_choice
+    assert list(res["kl"]) == [f[0] for f in LRAReplaceMeAuto.fits] and "same_as" not in res
+    assert res["chosen"] == min(res["kl"], key=lambda n: (res["kl"][n], list(res["kl"]).index(n)))
+    held = torch.arange(len(win)) % cfg.guard_every == cfg.guard_every - 1
+    fit_w = TokenWindows(win.input_ids[~held], win.attention_mask[~held])
+    ids, mask = win.input_ids[held], win.attention_mask[held]
+    with torch.no_grad():
+        ref = topk_reference(model(input_ids=ids, attention_mask=mask).logits[mask.bool()], cfg.guard_topk)
+    for name, _, mode in LRAReplaceMeAuto.fits:
+        m = _fit_joint(model, fit_w, cfg, mode)
+        corr = m.correction("lra_replaceme")
+        assert len(corr.branch_maps) == 2 and len(corr.adapters) == 2  # both spans have a block before them
+        kls = []
+        for c in (corr, replace(corr, branch_maps={})):
+            pruned = copy.deepcopy(model)
+            remove_blocks(pruned, REMOVED)
+            apply_correction(pruned, c, 6, REMOVED)
+            with torch.no_grad():
+                kls.append(kl_top1(pruned(input_ids=ids, attention_mask=mask).logits[mask.bool()], ref)[0].mean().item())
+        assert res["kl"][name] == pytest.approx(kls[0], rel=1e-6, abs=1e-12), name
+        assert abs(kls[1] - kls[0]) > 1e-6 * kls[0], name  # the branch map matters to the score
+    assert len({round(v, 12) for v in res["kl"].values()}) == len(LRAReplaceMeAuto.fits)
+
+
+def test_joint_auto_maps_are_the_chosen_walk_refitted_on_all_windows(fitted_joint):
+    model, win, cfg, mod = fitted_joint
+    name, _, mode = next(f for f in LRAReplaceMeAuto.fits if f[0] == mod.fit_choice["chosen"])
+    want = _fit_joint(model, win, cfg, mode).correction("lra_replaceme")
+    got = mod.correction()
+    assert got.solver == "lra_replaceme_auto"
+    assert set(got.adapters) == set(want.adapters) and set(got.branch_maps) == set(want.branch_maps) == {0, 2}
+    x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
+    for at in got.adapters:
+        assert_close(got.adapters[at](x), want.adapters[at](x), rtol=1e-8, atol=1e-8)
+    for at in got.branch_maps:
+        assert_close(got.branch_maps[at], want.branch_maps[at], rtol=1e-8, atol=1e-10)
+    assert {r["maps"]["lra_replaceme_auto"] for r in mod.span_reports()} == {name}
+    assert all(r["guard"]["chosen"] == name for r in mod.span_reports())
+
+
+@pytest.mark.parametrize("removed, same", [
+    ([2, 3], {"lra_replaceme_sequential": "lra_replaceme", "lra_replaceme_anchored": "lra_replaceme"}),
+    ([1, 3], {}),  # one-block spans: each walk still sees the spans before it
+    ([0, 1, 3], {})])
+def test_joint_walks_that_coincide_are_fitted_and_judged_once(removed, same):
+    """With one span the three walks of the joint map are one map (checked by fitting both); a span at block 0
+    (no branch before it: the span LRA alone) is still judged as the walk it belongs to."""
+    from shift_lightning.calibration.auto import coinciding_fits
+    from shift_lightning.calibration.sites import span_sites
+
+    assert coinciding_fits(LRAReplaceMeAuto.fits, span_sites(removed)) == same
+    model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
+    win = _windows(tok, n=8)
+    cfg = CalibrationConfig(solver="lra_replaceme_auto", mode="auto", damping=1e-4, guard_topk=16)
+    modes = {f[0]: f[2] for f in LRAReplaceMeAuto.fits}
+    x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
+    for name, twin in same.items():
+        a, b = (_fit_joint(model, win, cfg, modes[n], removed).correction("lra_replaceme") for n in (name, twin))
+        assert set(a.adapters) == set(b.adapters) and set(a.branch_maps) == set(b.branch_maps)
+        for at in a.adapters:
+            assert_close(a.adapters[at](x), b.adapters[at](x), rtol=1e-9, atol=1e-9)
+        for at in a.branch_maps:
+            assert_close(a.branch_maps[at], b.branch_maps[at], rtol=1e-9, atol=1e-10)
+    mod = CalibrationModule(copy.deepcopy(model), removed, cfg)
+    mod.calibrate(_trainer(), win, batch_size=4)
+    res = mod.fit_choice
+    assert res.get("same_as", {}) == same and list(res["kl"]) == list(modes)
+    assert all(res["kl"][n] == res["kl"][t] for n, t in same.items()) and res["chosen"] not in same
+    if removed[0] == 0:
+        assert any("starts at block 0" in n or "no block before" in n for n in mod.correction().notes)

@@ -370,6 +370,7 @@ def _cli(*args, world=1, env_extra=None):
     ["--calibration.solver", "lra_auto", "--calibration.mode", "auto", "--prune.layers", "[1, 3, 4]"],
     ["--calibration.solver", "lra_replaceme", "--prune.layers", "[0, 2, 3]"],  # a span with a branch before it, one without
     ["--calibration.mode", "anchored", "--prune.layers", "[0, 2, 4]"],  # the joint map (default) walked: 3 spans
+    ["--calibration.solver", "lra_replaceme_auto", "--calibration.mode", "auto", "--prune.layers", "[1, 3, 4]"],
 ])
 def test_ddp_two_processes_match_one(tmp_path, extra):
     _cli("--output_dir", str(tmp_path / "one"), *extra)

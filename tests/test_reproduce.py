@@ -284,7 +284,8 @@ def test_anchored_and_auto_rows_take_passes_of_their_own(tmp_path):
     the fit it chose (the per-block LRA, or the span LRA, which the three span fits equal here)."""
     from shift_lightning.recipes.reproduce import run
 
-    variants = ["pruned", "lra", "lra_span", "lra_anchored", "lra_auto", "lra_replaceme", "lra_replaceme_anchored"]
+    variants = ["pruned", "lra", "lra_span", "lra_anchored", "lra_auto", "lra_replaceme", "lra_replaceme_anchored",
+                "lra_replaceme_auto"]
     folder = run(_tiny_grid(tmp_path, criteria=["reverse_star"], variants=variants, out=str(tmp_path / "g"),
                             calib_samples=8))
     rows = {v: json.loads((folder / "reverse_star" / f"{v}.json").read_text()) for v in variants[1:]}
@@ -300,13 +301,19 @@ def test_anchored_and_auto_rows_take_passes_of_their_own(tmp_path):
     assert rows["lra_anchored"]["tasks_from"] == "reverse_star/lra_span"
     assert rows["lra_anchored"]["maps_check"]["max_rel_diff"] <= 1e-4
     assert rows["lra_replaceme_anchored"]["tasks_from"] == "reverse_star/lra_replaceme"  # likewise the joint map
-    for a, b in (("lra_anchored", "lra_span"), ("lra_auto", same), ("lra_replaceme_anchored", "lra_replaceme")):
+    joint = rows["lra_replaceme_auto"]["fit_choice"]  # one span: the three walks are one map, judged once
+    assert joint["chosen"] == "lra_replaceme" and set(joint["same_as"]) == {"lra_replaceme_sequential",
+                                                                             "lra_replaceme_anchored"}
+    assert rows["lra_replaceme_auto"]["tasks_from"] == "reverse_star/lra_replaceme"
+    for a, b in (("lra_anchored", "lra_span"), ("lra_auto", same), ("lra_replaceme_anchored", "lra_replaceme"),
+                 ("lra_replaceme_auto", "lra_replaceme")):
         for ppl_set, e in rows[b]["perplexity"].items():
             assert rows[a]["perplexity"][ppl_set]["ppl"] == pytest.approx(e["ppl"], rel=1e-5)
         for kl_set, v in rows[b]["kl"].items():
             assert rows[a]["kl"][kl_set] == pytest.approx(v, rel=1e-4, abs=1e-7)
     md = (tmp_path / "g" / "tiny.md").read_text()
     assert "+LRA per span, anchored" in md and "+LRA, fit chosen on held-out KL" in md
+    assert "+LRA & ReplaceMe (joint), fit chosen on held-out KL" in md
 
 
 def test_domain_comparison_of_two_grids(tmp_path):

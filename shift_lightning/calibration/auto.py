@@ -1,5 +1,5 @@
-"""``--calibration.mode auto`` (solver ``lra_auto``): which way of fitting the LRA keeps the pruned
-model closest to the original, judged on held-out calibration windows.
+"""``--calibration.mode auto`` (solvers ``lra_auto`` and ``lra_replaceme_auto``): which way of fitting the
+LRA (or the joint map) keeps the pruned model closest to the original, judged on held-out calibration windows.
 
 No one way of fitting wins everywhere. On SmolLM2-135M's held-out calibration windows the span LRA
 fitted ``anchored`` (each span from the corrected pruned state to the original's state at its end) is
@@ -19,6 +19,10 @@ Cost: each fit once on 1 − 1/k of the windows, one original and one pruned for
 held-out windows, and the chosen fit once more on all windows (about 4.5 LRA calibrations). Fits that
 are the same maps for the removed blocks (:func:`coinciding_fits`: with one span the three span modes;
 with only one-block spans the per-block and the span LRA) are fitted and judged once.
+
+``lra_replaceme_auto`` does the same for the joint map (:class:`~shift_lightning.calibration.solvers.joint.LRAReplaceMeAuto`:
+independent, sequential, anchored; each fit's maps are an adapter and ReplaceMe's branch map, judged with
+both in place): with one span it is the joint map, judged once; otherwise about 3.5 joint calibrations.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ from ..data import TokenWindows
 from ..errors import ConfigError
 from ..passes import sum_across_ranks
 from .judge import GuardJudge
-from .maps import SpanMap
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +47,10 @@ class FitJudge(GuardJudge):
 
     stage = "lra_auto: closeness of each fit on held-out windows"
 
-    def __init__(self, model, removed: list[int], spans, fits: dict[str, dict], topk: int = 64):
+    def __init__(self, model, removed: list[int], spans, fits: dict[str, dict], topk: int = 64, solver: str = "lra_auto"):
         super().__init__(model, removed, spans, candidates={}, default={}, topk=topk)
         self.fits = fits
+        self.stage = f"{solver}: closeness of each fit on held-out windows"
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -89,9 +93,12 @@ def coinciding_fits(fits, spans) -> dict[str, str]:
 
 
 def choose_fit(module, trainer, windows: TokenWindows, heldout: TokenWindows | None, batch_size: int = 4) -> dict:
-    """Fill ``module`` (a :class:`~shift_lightning.calibration.CalibrationModule` of solver ``lra_auto``)
-    with the chosen fit's maps; returns the judgement (also ``module.reports[span]["guards"]["lra_auto"]``)."""
+    """Fill ``module`` (a :class:`~shift_lightning.calibration.CalibrationModule` of a ``mode: auto`` solver,
+    ``lra_auto`` or ``lra_replaceme_auto``) with the chosen fit's maps; returns the judgement (also
+    ``module.reports[span]["guards"][solver]``)."""
     cfg, name = module.cfg, module.primary
+    solver = module.solvers[name]
+    base = solver.fit_solver
     k = cfg.guard_every
     held = torch.tensor([i % k == k - 1 for i in range(len(windows))], dtype=torch.bool)
     if not held.any() or held.all():
@@ -99,10 +106,11 @@ def choose_fit(module, trainer, windows: TokenWindows, heldout: TokenWindows | N
                           f"{len(windows)}: raise --data.num_samples")
     fit_w = TokenWindows(windows.input_ids[~held], windows.attention_mask[~held])
     judge_w = TokenWindows(windows.input_ids[held], windows.attention_mask[held])
-    fits = module.solvers[name].fits
+    fits = solver.fits
 
     def fitted(gran: str, mode: str, data: TokenWindows, measure_on=None):
-        sub = type(module)(module.model, module.removed, replace(cfg, mode=mode, granularity=gran), solvers=["lra"])
+        sub = type(module)(module.model, module.removed, replace(cfg, solver=base, mode=mode, granularity=gran),
+                           solvers=[base])
         sub.calibrate(trainer, data, measure_on, batch_size, check=False)
         return sub
 
@@ -110,12 +118,12 @@ def choose_fit(module, trainer, windows: TokenWindows, heldout: TokenWindows | N
     maps = {}
     for fit_name, gran, mode in fits:
         if fit_name in same:
-            log.info("lra_auto: %s is %s for these spans: fitted and judged once", fit_name, same[fit_name])
+            log.info("%s: %s is %s for these spans: fitted and judged once", name, fit_name, same[fit_name])
             continue
         sub = fitted(gran, mode, fit_w)
-        maps[fit_name] = {sp.key: replace(sub.span_map("lra", sp), source=fit_name) for sp in module.spans}
-        log.info("lra_auto: fitted %s (%s, %s) on %d windows", fit_name, gran, mode, len(fit_w))
-    judge = FitJudge(module.model, module.removed, module.spans, maps, cfg.guard_topk)
+        maps[fit_name] = {sp.key: replace(sub.span_map(base, sp), source=fit_name) for sp in module.spans}
+        log.info("%s: fitted %s (%s, %s) on %d windows", name, fit_name, gran, mode, len(fit_w))
+    judge = FitJudge(module.model, module.removed, module.spans, maps, cfg.guard_topk, name)
     judge.run(trainer, judge_w, batch_size)
     res = {**judge.results, "held_out_windows": len(judge_w), "fit_windows": len(fit_w)}
     if same:  # every fit keeps its line; ties go to the earlier fit, the one actually judged
@@ -123,11 +131,10 @@ def choose_fit(module, trainer, windows: TokenWindows, heldout: TokenWindows | N
             res[key] = {f[0]: res[key][same.get(f[0], f[0])] for f in fits}
         res["same_as"] = same
     chosen = next(f for f in fits if f[0] == res["chosen"])
-    log.info("lra_auto: held-out KL %s: refitting %s on all %d windows",
+    log.info("%s: held-out KL %s: refitting %s on all %d windows", name,
              ", ".join(f"{n} {v:.4f}" for n, v in res["kl"].items()), chosen[0], len(windows))
     final = fitted(chosen[1], chosen[2], windows, heldout)
-    module._chosen[name] = {sp.key: SpanMap(sp, adapter=final.span_map("lra", sp).adapter, source=chosen[0])
-                            for sp in module.spans}
+    module._chosen[name] = {sp.key: replace(final.span_map(base, sp), source=chosen[0]) for sp in module.spans}
     module.sites = final.sites  # where the maps were fitted (blocks or spans), with their errors
     module.reports.update({key: dict(rep) for key, rep in final.reports.items()})
     for sp in module.spans:

@@ -14,8 +14,8 @@ log = logging.getLogger(__name__)
 #: The registered solvers (:mod:`shift_lightning.calibration.solvers`), as the config's choices.
 #: ``tests/test_structure.py`` checks that this list and the registry agree.
 SolverName = Literal["lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "affine", "replaceme", "replaceme_cosine",
-                     "lra_replaceme", "lra_replaceme_anchored", "linearpatch", "lra_guard", "guarded", "guarded_span",
-                     "guarded_joint"]
+                     "lra_replaceme", "lra_replaceme_anchored", "lra_replaceme_auto", "linearpatch", "lra_guard",
+                     "guarded", "guarded_span", "guarded_joint"]
 
 
 @dataclass
@@ -34,7 +34,8 @@ class CalibrationConfig:
     folded into the last kept block's MLP), ``replaceme_cosine`` (ReplaceMe's cosine-objective map,
     Adam on cached activations: its strongest training-free variant), ``lra_replaceme`` (the span LRA
     and ReplaceMe's branch map fitted together, one ridge on ``[x, m]``), ``lra_replaceme_anchored`` (that map
-    fitted in ``mode: anchored``), ``linearpatch`` (LinearPatch's
+    fitted in ``mode: anchored``), ``lra_replaceme_auto`` (with ``mode: auto``: that map fitted independently,
+    sequentially and anchored without the held-out windows, the closest there refitted), ``linearpatch`` (LinearPatch's
     P = H D Hᵀ), ``lra_guard`` (the LRA with its ridge strength chosen per site by held-out
     reconstruction error), ``guarded`` (per span the map among none / the LRA along its ridge path /
     no bias / ReplaceMe that keeps the model closest to the original on held-out calibration
@@ -45,7 +46,7 @@ class CalibrationConfig:
     """``independent`` (one pass of the original model), ``sequential`` (each site sees the corrected
     pruned model's hidden states; about one pass in all, block by block) or ``anchored`` (sequential, and
     each site fitted to the original model's state at its end, so that it also undoes earlier drift);
-    ``auto`` (solver ``lra_auto`` only): each of those fits tried, the closest to the original on the
+    ``auto`` (solvers ``lra_auto`` and ``lra_replaceme_auto`` only): each of those fits tried, the closest to the original on the
     held-out calibration windows (every ``guard_every``-th) kept."""
     granularity: Literal["block", "span"] = "block"
     """``block``: one map per removed block (merged afterwards); ``span``: one per contiguous run."""

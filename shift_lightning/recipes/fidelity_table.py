@@ -45,6 +45,7 @@ COLUMNS = (("wiki", "pruned", "pruned"), ("wiki", "lra", "+LRA"), ("wiki", "repl
            ("mixed", "guarded_span", "+guarded (span LRA), mixed calib."),
            ("mixed", "lra_replaceme", "+LRA & ReplaceMe (joint), mixed calib."),
            ("mixed", "lra_replaceme_anchored", "+LRA & ReplaceMe (joint), anchored, mixed calib."),
+           ("mixed", "lra_replaceme_auto", "+LRA & ReplaceMe (joint), fit chosen on held-out KL, mixed calib."),
            ("mixed", "guarded_joint", "+guarded (joint), mixed calib."))
 
 

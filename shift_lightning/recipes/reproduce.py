@@ -81,13 +81,13 @@ class ReproduceConfig:
     criteria: list[str] = field(default_factory=lambda: list(CRITERIA_ORDER))
     """Criteria to run, in this order."""
     variants: list[Literal["pruned", "lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "affine", "replaceme",
-                           "replaceme_cosine", "lra_replaceme", "lra_replaceme_anchored", "linearpatch", "lra_guard",
-                           "guarded", "guarded_span", "guarded_joint"]] = field(
+                           "replaceme_cosine", "lra_replaceme", "lra_replaceme_anchored", "lra_replaceme_auto",
+                           "linearpatch", "lra_guard", "guarded", "guarded_span", "guarded_joint"]] = field(
         default_factory=lambda: list(VARIANTS))
     """Row variants per criterion (``lra_span``, ``lra_anchored``, ``lra_auto``, ``lra_replaceme``,
-    ``lra_replaceme_anchored``, ``guarded_span`` and ``guarded_joint`` are opt-in: not among the defaults;
-    ``lra_anchored`` and ``lra_replaceme_anchored`` take a calibration pass of their own, in ``mode: anchored``, and
-    ``lra_auto`` its own fits, in ``mode: auto``)."""
+    ``lra_replaceme_anchored``, ``lra_replaceme_auto``, ``guarded_span`` and ``guarded_joint`` are opt-in: not among
+    the defaults; ``lra_anchored`` and ``lra_replaceme_anchored`` take a calibration pass of their own, in ``mode:
+    anchored``, and ``lra_auto`` and ``lra_replaceme_auto`` their own fits, in ``mode: auto``)."""
     fill: Literal["all", "new", "closeness"] = "all"
     """``all``: missing runs, and closeness for finished runs that lack it; ``new``: missing runs only;
     ``closeness``: closeness for finished runs only."""
@@ -361,7 +361,7 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
 
 def _twin(cfg: ReproduceConfig, module: CalibrationModule, variant: str) -> str | None:
     """The variant whose maps ``variant``'s are, by construction, when its choices say so: ``lra_auto``'s
-    chosen fit; a guard that kept the LRA at the calibration damping at every span (``lra``), or, for
+    (``lra_replaceme_auto``'s) chosen fit; a guard that kept the LRA at the calibration damping at every span (``lra``), or, for
     ``guarded_span`` / ``guarded_joint``, one LRA per span wherever a span has two or more blocks (``lra_span``);
     ``guarded_joint`` that kept the joint map at every span (``lra_replaceme``); the span
     LRA where every span is one block (the per-block ``lra``), and the anchored span LRA where there is

@@ -42,6 +42,7 @@ class TargetsSummaryConfig:
                                                        "results/fidelity_guarded_span.json",
                                                        "results/fidelity_lra_replaceme.json",
                                                        "results/fidelity_lra_replaceme_anchored.json",
+                                                       "results/fidelity_lra_replaceme_auto.json",
                                                        "results/fidelity_guarded_joint.json"])
     grid: str = "mixed"
     """The calibration text whose rows are counted (the fidelity tables' grid name)."""

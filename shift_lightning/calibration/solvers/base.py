@@ -57,6 +57,10 @@ class Solver:
     """The ``--calibration.mode`` this solver is defined by (None: any it supports)."""
     low_rank: ClassVar[bool] = False
     """Honours ``--calibration.rank``."""
+    fits: ClassVar[tuple[tuple[str, str, str], ...]] = ()
+    """``mode: auto`` solvers: ``(name, granularity, mode)`` of each fit tried, in tie-breaking order."""
+    fit_solver: ClassVar[str] = ""
+    """``mode: auto`` solvers: the solver each of :attr:`fits` is made with."""
     wraps: ClassVar[tuple[str, ...]] = ()
     """Solvers whose maps this one chooses among (their statistics are collected too)."""
 
@@ -68,8 +72,10 @@ class Solver:
                               f"{self.name!r}: set --calibration.solver lra_replaceme (the default) or lra for a "
                               "low-rank adapter, or drop --calibration.rank")
         if cfg.mode == "auto" and self.mode != "auto":
-            raise ConfigError(f"--calibration.mode auto chooses the LRA's fit on held-out windows; it fits the "
-                              f"lra_auto solver, not {self.name!r}: set --calibration.solver lra_auto")
+            able = " / ".join(n for n, c in SOLVERS.items() if c.mode == "auto")
+            raise ConfigError(f"--calibration.mode auto chooses a map's fit on held-out windows; it fits the {able} "
+                              f"solvers, not {self.name!r}: set --calibration.solver lra_replaceme_auto (the joint map) "
+                              "or lra_auto (the LRA)")
         if self.mode is not None and cfg.mode != self.mode:
             raise ConfigError(f"solver {self.name!r} is fitted in --calibration.mode {self.mode}, got {cfg.mode!r}: "
                               f"set --calibration.mode {self.mode}")

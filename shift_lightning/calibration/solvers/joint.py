@@ -101,3 +101,18 @@ class LRAReplaceMeAnchored(LRAReplaceMe):
 
     name, label = "lra_replaceme_anchored", "+LRA & ReplaceMe (joint), anchored"
     mode = "anchored"
+
+
+@register
+class LRAReplaceMeAuto(LRAReplaceMe):
+    """The joint map fitted each way of :attr:`fits` without the held-out calibration windows, the one whose
+    corrected model is closest to the original there refitted on all windows (``--calibration.mode auto``,
+    :mod:`~shift_lightning.calibration.auto`; what ``lra_auto`` is to the LRA). Anchoring the joint map brings
+    SmolLM2 closer where the first blocks are kept and further where block 0 or 1 is removed (the grids'
+    ``lra_replaceme_anchored`` rows): a choice per run, made on calibration text."""
+
+    name, label = "lra_replaceme_auto", "+LRA & ReplaceMe (joint), fit chosen on held-out KL"
+    mode, fit_solver = "auto", "lra_replaceme"
+    #: (name, granularity, mode) of each fit tried, in tie-breaking order: the default (independent) first.
+    fits = (("lra_replaceme", "span", "independent"), ("lra_replaceme_sequential", "span", "sequential"),
+            ("lra_replaceme_anchored", "span", "anchored"))

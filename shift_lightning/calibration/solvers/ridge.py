@@ -54,7 +54,7 @@ class LRAAnchored(LRA):
 class LRAAuto(LRA):
     name, label = "lra_auto", "+LRA, fit chosen on held-out KL"
     per_span = True
-    mode = "auto"
+    mode, fit_solver = "auto", "lra"
     #: (name, granularity, mode) of each fit tried, in tie-breaking order: the paper's per-block LRA first.
     fits = (("lra", "block", "independent"), ("lra_span", "span", "independent"),
             ("lra_sequential", "span", "sequential"), ("lra_anchored", "span", "anchored"))

@@ -24,8 +24,9 @@ LABELS = {"original": "original", "pruned": "pruned", **{n: cls.label for n, cls
 #: The KL guards (solvers that choose a map per span), in registry order.
 GUARDS = tuple(n for n, cls in SOLVERS.items() if issubclass(cls, Guarded))
 #: Peers of the LRA in the comparisons (and the two ReplaceMe variants, whose better one is "ReplaceMe").
-PEERS = ("lra_span", "lra_anchored", "lra_auto", "lra_replaceme", "lra_replaceme_anchored", "nobias", "affine",
-         "replaceme", "replaceme_cosine", "linearpatch", "lra_guard", "guarded", "guarded_span", "guarded_joint")
+PEERS = ("lra_span", "lra_anchored", "lra_auto", "lra_replaceme", "lra_replaceme_anchored", "lra_replaceme_auto",
+         "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch", "lra_guard", "guarded", "guarded_span",
+         "guarded_joint")
 REPLACEME = ("replaceme", "replaceme_cosine")
 
 
@@ -291,7 +292,7 @@ def fidelity_summary(rows: list[dict], criteria: list[str], variants: list[str])
         return []
     by = {(r["criterion"], r["variant"]): r for r in rows}
     repairs = [v for v in ("lra", "lra_span", "lra_anchored", "lra_auto", "lra_replaceme", "lra_replaceme_anchored",
-                           "guarded", "guarded_span",
+                           "lra_replaceme_auto", "guarded", "guarded_span",
                            "guarded_joint", "nobias",
                            "lra_guard", "replaceme", "replaceme_cosine", "linearpatch", "affine") if v in variants]
     lines = ["## Closeness and harm, per repair", "",
