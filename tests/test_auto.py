@@ -171,7 +171,8 @@ def test_joint_auto_judges_each_walk_of_the_joint_map_with_both_halves_in_place(
             remove_blocks(pruned, REMOVED)
             apply_correction(pruned, c, 6, REMOVED)
             with torch.no_grad():
-                kls.append(kl_top1(pruned(input_ids=ids, attention_mask=mask).logits[mask.bool()], ref)[0].mean().item())
+                logits = pruned(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+            kls.append(kl_top1(logits, ref)[0].mean().item())
         assert res["kl"][name] == pytest.approx(kls[0], rel=1e-6, abs=1e-12), name
         assert abs(kls[1] - kls[0]) > 1e-6 * kls[0], name  # the branch map matters to the score
     assert len({round(v, 12) for v in res["kl"].values()}) == len(LRAReplaceMeAuto.fits)

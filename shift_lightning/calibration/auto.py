@@ -20,9 +20,10 @@ held-out windows, and the chosen fit once more on all windows (about 4.5 LRA cal
 are the same maps for the removed blocks (:func:`coinciding_fits`: with one span the three span modes;
 with only one-block spans the per-block and the span LRA) are fitted and judged once.
 
-``lra_replaceme_auto`` does the same for the joint map (:class:`~shift_lightning.calibration.solvers.joint.LRAReplaceMeAuto`:
-independent, sequential, anchored; each fit's maps are an adapter and ReplaceMe's branch map, judged with
-both in place): with one span it is the joint map, judged once; otherwise about 3.5 joint calibrations.
+``lra_replaceme_auto`` does the same for the joint map
+(:class:`~shift_lightning.calibration.solvers.joint.LRAReplaceMeAuto`: independent, sequential, anchored; each
+fit's maps are an adapter and ReplaceMe's branch map, judged with both in place): with one span it is the joint
+map, judged once; otherwise about 3.5 joint calibrations.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class FitJudge(GuardJudge):
 
     stage = "lra_auto: closeness of each fit on held-out windows"
 
-    def __init__(self, model, removed: list[int], spans, fits: dict[str, dict], topk: int = 64, solver: str = "lra_auto"):
+    def __init__(self, model, removed: list[int], spans, fits: dict[str, dict], topk: int = 64,
+                 solver: str = "lra_auto"):
         super().__init__(model, removed, spans, candidates={}, default={}, topk=topk)
         self.fits = fits
         self.stage = f"{solver}: closeness of each fit on held-out windows"

@@ -46,8 +46,8 @@ class CalibrationConfig:
     """``independent`` (one pass of the original model), ``sequential`` (each site sees the corrected
     pruned model's hidden states; about one pass in all, block by block) or ``anchored`` (sequential, and
     each site fitted to the original model's state at its end, so that it also undoes earlier drift);
-    ``auto`` (solvers ``lra_auto`` and ``lra_replaceme_auto`` only): each of those fits tried, the closest to the original on the
-    held-out calibration windows (every ``guard_every``-th) kept."""
+    ``auto`` (solvers ``lra_auto`` and ``lra_replaceme_auto`` only): each of those fits tried, the closest to the
+    original on the held-out calibration windows (every ``guard_every``-th) kept."""
     granularity: Literal["block", "span"] = "block"
     """``block``: one map per removed block (merged afterwards); ``span``: one per contiguous run."""
     rank: int | None = None

@@ -361,7 +361,8 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
 
 def _twin(cfg: ReproduceConfig, module: CalibrationModule, variant: str) -> str | None:
     """The variant whose maps ``variant``'s are, by construction, when its choices say so: ``lra_auto``'s
-    (``lra_replaceme_auto``'s) chosen fit; a guard that kept the LRA at the calibration damping at every span (``lra``), or, for
+    (``lra_replaceme_auto``'s) chosen fit; a guard that kept the LRA at the calibration damping at every span
+    (``lra``), or, for
     ``guarded_span`` / ``guarded_joint``, one LRA per span wherever a span has two or more blocks (``lra_span``);
     ``guarded_joint`` that kept the joint map at every span (``lra_replaceme``); the span
     LRA where every span is one block (the per-block ``lra``), and the anchored span LRA where there is

@@ -73,9 +73,9 @@ class Solver:
                               "low-rank adapter, or drop --calibration.rank")
         if cfg.mode == "auto" and self.mode != "auto":
             able = " / ".join(n for n, c in SOLVERS.items() if c.mode == "auto")
-            raise ConfigError(f"--calibration.mode auto chooses a map's fit on held-out windows; it fits the {able} "
-                              f"solvers, not {self.name!r}: set --calibration.solver lra_replaceme_auto (the joint map) "
-                              "or lra_auto (the LRA)")
+            raise ConfigError(f"--calibration.mode auto chooses a map's fit on held-out windows; it fits the "
+                              f"{able} solvers, not {self.name!r}: set --calibration.solver lra_replaceme_auto "
+                              "(the joint map) or lra_auto (the LRA)")
         if self.mode is not None and cfg.mode != self.mode:
             raise ConfigError(f"solver {self.name!r} is fitted in --calibration.mode {self.mode}, got {cfg.mode!r}: "
                               f"set --calibration.mode {self.mode}")
