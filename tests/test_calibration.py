@@ -322,7 +322,8 @@ def test_adapter_rank_is_checked_against_the_hidden_size(tiny64, tmp_path, caplo
     with pytest.raises(ConfigError, match=rf"rank {d + 1} exceeds the model's hidden size d = {d}.*null for full rank"):
         CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra", rank=d + 1))
     # a low rank, or a sequential fit, for a solver without one: both errors name the solvers to set
-    with pytest.raises(ConfigError, match=r"rank applies to the lra / .* / lra_replaceme / lra_replaceme_anchored solvers, not to 'guarded_joint'.*"
+    with pytest.raises(ConfigError, match=r"rank applies to the lra / .* / lra_replaceme / lra_replaceme_anchored / "
+                                          r"lra_replaceme_auto solvers, not to 'guarded_joint'.*"
                                           r"--calibration.solver lra_replaceme \(the default\) or lra"):
         CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="guarded_joint", rank=8))
     with pytest.raises(ConfigError, match=r"mode sequential fits one solver of lra, .*lra_replaceme \(others fit the "
