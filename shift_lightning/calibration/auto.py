@@ -23,7 +23,8 @@ with only one-block spans the per-block and the span LRA) are fitted and judged 
 ``lra_replaceme_auto`` does the same for the joint map
 (:class:`~shift_lightning.calibration.solvers.joint.LRAReplaceMeAuto`: independent, sequential, anchored; each
 fit's maps are an adapter and ReplaceMe's branch map, judged with both in place): with one span it is the joint
-map, judged once; otherwise about 3.5 joint calibrations.
+map, judged once; otherwise three fits on 1 − 1/k of the windows, the judge pass and the refit (4.19× the joint
+map's calibration time on SmolLM2, Taylor's blocks: ``results/bench/auto_cost_joint_smollm2.md``).
 """
 
 from __future__ import annotations
