@@ -221,6 +221,10 @@ def model_card(spec: dict, model: nn.Module | None, facts: CardFacts | None = No
                                         and base.hub_id not in base.name else "")),
             ("blocks removed", f"{len(removed)} of {n}: `{removed}`, chosen by `{spec.get('criterion') or 'explicit list'}`"),
             ("repair", repair)]
+    if (cal.get("refit") or {}).get("kept"):
+        rows.append(("kept blocks re-fitted", f"`{cal['refit']['kept']}` (original indices): their linear layers "
+                     "re-fitted in closed form to absorb the stream's drift (relative damping "
+                     f"{cal['calibration'].get('refit_damping')}); weights differ from the base model's there"))
     if cal.get("data"):
         d = cal["data"]
         rows.append(("calibration data", f"`{d.get('source')}`{_SOURCE_NOTES.get(d.get('source'), '')}: "

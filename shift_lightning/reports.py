@@ -62,6 +62,9 @@ class CalibrationReport:
     seconds: dict
     evaluation: dict | None = None
     """original / pruned / corrected: tasks, perplexity, closeness (when asked for)."""
+    refit: dict | None = None
+    """``--calibration.refit_kept``: the held-out KL with no re-fit and after each block's (``heldout_kl``), the
+    blocks kept (``kept``) and, per kept block, each linear layer's relative weight change (``blocks``)."""
 
     @property
     def criterion(self) -> str:
@@ -118,6 +121,17 @@ class CalibrationReport:
                 g = s["guard"]
                 lines.append(f"| {s['blocks']} | {g['chosen']} | "
                              + ", ".join(f"{k} {v:.4f}" for k, v in g["kl"].items()) + " |")
+        if self.refit:
+            r = self.refit
+            lines += ["", f"Kept blocks re-fitted after the maps (relative damping {c['refit_damping']:g}): held-out KL "
+                      + ", ".join(f"{k if k == 'none' else 'block ' + k} {v:.4f}" for k, v in r["heldout_kl"].items())
+                      + f"; kept {r['kept'] or 'none'}"]
+            if r["blocks"]:
+                names = list(r["blocks"][0]["relative_change"])
+                lines += ["", "| block | " + " | ".join(f"Δ‖W‖ {n.split('.')[-1]}" for n in names) + " |",
+                          "|---|" + "---:|" * len(names)]
+                for b in r["blocks"]:
+                    lines.append(f"| {b['block']} | " + " | ".join(f"{v:.4f}" for v in b["relative_change"].values()) + " |")
         if self.evaluation:
             lines += ["", "## Evaluation", "", *evaluation_table(self.evaluation)]
         return "\n".join(lines) + "\n"

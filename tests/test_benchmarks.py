@@ -205,3 +205,17 @@ def test_low_rank_check_rows_from_one_pass_and_full_rank_equals_the_solvers(tmp_
         apply_correction(m, mod.correction(name), model.config.num_hidden_layers, [3, 4])
         assert closeness(m, judge, refs)[0] == pytest.approx(rows[(None, name)]["kl"], rel=1e-5)
     assert "| full |" in (tmp_path / "lr.md").read_text()
+
+
+def test_refit_check_rows_and_table(tmp_path):
+    """The kept-block re-fit check (the algorithm's own tests: ``tests/test_keptfit.py``): the joint map alone
+    (k = 0) and each re-fit land as rows, judged on held-out windows, and the table renders."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import refit_check as R
+
+    R.main(["--model", "random:tiny", "--criteria", "given", "--layers", "3,4", "--samples", "8", "--seq_len", "32",
+            "--ks", "1,2", "--dampings", "1e-2", "--out", str(tmp_path / "rf")])
+    doc = json.loads((tmp_path / "rf.json").read_text())
+    assert [(r["k"], r["refitted"]) for r in doc["rows"]] == [(0, []), (1, [5]), (2, [5, 6])]
+    assert all(r["kl"] > 0 for r in doc["rows"]) and doc["fit_windows"] == 6 and doc["judge_windows"] == 2
+    assert "| given | 1 | 0.01 | [5] |" in (tmp_path / "rf.md").read_text()

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -34,6 +35,7 @@ from ..selection import select_blocks
 from ..calibration import pruned_positions
 from ..card import CardFacts
 from ..checkpoint import ShiftSpec, load_pretrained, save_adapters, save_pretrained
+from ..keptfit import check_block, guarded_refit, refit_pairs
 from ..surgery import apply_correction, remove_blocks
 
 log = logging.getLogger(__name__)
@@ -146,6 +148,10 @@ def run_calibration(
         prepare_output(output_dir, overwrite, local_inputs(model_cfg if built is None else None, data=data,
                                                            heldout=heldout))
     check_early(prune, data, calibration, heldout)
+    if calibration.refit_kept and save_model == "adapters":
+        raise ConfigError(f"--calibration.refit_kept {calibration.refit_kept} changes the weights of kept blocks, "
+                          "which an adapter-only folder does not store (train.py saves its calibration that way): "
+                          "save the full model (calibrate.py --save_model true) or set --calibration.refit_kept 0")
     t0 = time.time()
 
     lm, tokenizer = built if built is not None else load_pretrained(model_cfg)
@@ -157,6 +163,8 @@ def run_calibration(
     else:
         num_to_remove(n_layers, prune.ratio)
     model_type = lm.config.model_type
+    if calibration.refit_kept:  # the layout is the model's: refuse before any pass
+        check_block(decoder_layers(lm)[0], f"{model_type} blocks")
     windows = build_windows(data, tokenizer, model_type, "--data")
     heldout_windows = build_windows(heldout, tokenizer, model_type, "--heldout") \
         if (calibration.heldout and heldout.num_samples > 0) else None
@@ -188,13 +196,23 @@ def run_calibration(
     adapters = correction.adapters
     for note in correction.notes:
         log.warning(note)
+    original = copy.deepcopy(lm) if calibration.refit_kept and selection.layers else None
     remove_blocks(lm, selection.layers)
     t_cal = time.time()
     if do_eval and evaluate_baselines:
         evals["pruned"] = scorer("pruned")
     apply_correction(lm, correction, n_layers, selection.layers)
+    refit = None
+    if original is not None:  # every rank re-fits on all windows (the same result; not sharded)
+        pairs = refit_pairs(selection.layers, n_layers, calibration.refit_kept)
+        log.info("Re-fitting kept blocks %s (relative damping %g)", [o for _, o in pairs], calibration.refit_damping)
+        refit = guarded_refit(lm, original, windows, pairs, calibration.refit_damping, calibration.guard_every,
+                              calibration.guard_topk, progress=lambda o, kl, keep: log.info(
+                                  "kept block %d re-fitted: held-out KL %.4f, %s", o, kl, "kept" if keep else "undone"))
+        del original
+    t_fit = time.time()
     if do_eval:
-        label = f"pruned+{calibration.solver}"
+        label = f"pruned+{calibration.solver}" + ("+refit" if refit and refit["kept"] else "")
         evals[label] = scorer(label)
 
     report = CalibrationReport(
@@ -207,8 +225,9 @@ def run_calibration(
         world_size=dist.world_size(), sites=module.site_reports(), spans=module.span_reports(),
         adapters=_adapter_table(n_layers, selection.layers, adapters), branch_maps=sorted(correction.branch_maps),
         notes=correction.notes, params_before=params_before, params_after=num_params(lm),
-        seconds={"selection": t_sel - t0, "calibration": t_cal - t_sel, "total": time.time() - t0},
-        evaluation=evals or None)
+        seconds={"selection": t_sel - t0, "calibration": t_cal - t_sel,
+                 **({"refit": t_fit - t_cal} if refit else {}), "total": time.time() - t0},
+        evaluation=evals or None, refit=refit)
     if output_dir is not None and dist.rank() == 0:
         spec = ShiftSpec(n_layers, selection.layers, base_model=report.model, criterion=selection.criterion,
                          correction=calibration.solver)

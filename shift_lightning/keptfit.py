@@ -1,0 +1,287 @@
+"""Re-fitting the kept blocks after a pruning site in closed form: ridge regressions, no gradients. Framework-free.
+
+Every map of :mod:`shift_lightning.calibration` sits at the pruning site, a function of the state there; the
+kept blocks after it then process a stream that has drifted from the original's. This re-fits the first ``k``
+kept blocks after each removed span to absorb that drift: each block's linear layers, one group at a time in the
+order the block runs them (q/k/v, o, gate/up, down), by one ridge regression on the corrected pruned model's
+inputs, regularised towards the layer's own weights::
+
+    W' = argmin ‖X_p W'ᵀ − Z*‖² + λ‖W' − W‖²        W'ᵀ = (X_pᵀX_p + λI)⁻¹ (X_pᵀZ* + λWᵀ)
+
+with ``λ = δ · mean(diag(X_pᵀX_p))`` (relative damping ``δ``; Cholesky, never an inverse; ``δ → ∞`` leaves the
+weights as they were). ``X_p``: the layer's inputs in the corrected pruned model, after the groups before it
+were re-fitted. ``Z*``: what the original's layer gives on the original's inputs, ``X_o Wᵀ``; for the two layers
+that write into the residual stream (``o_proj``, ``down_proj``) plus the stream's drift, ``Z* = X_o Wᵀ + (h_o −
+h_p)``, ``h`` the stream the branch is added to (the block's input for attention, the stream after attention for
+the MLP), so that the block's output matches the original's. Without the drift term the targets are met already
+up to noise and nothing moves (< 0.1 % KL on SmolLM2): the drift rides the residual connection past every layer.
+On an unpruned model (``X_p = X_o``, no drift) nothing changes.
+
+**Llama layout only.** Where a norm sits between a branch and the stream (Gemma3's post-attention and post-MLP
+norms, ``n(z) = z / rms(z) · (1 + w)``), the branch adds a vector of fixed size whatever its weights: it cannot
+carry the drift, only turn towards it and lose its own signal. Tried with the target taken in the norm's output
+space (its direction, at the layer's own scale: ``post_norm="direction"``), it moved Gemma3-270M *away* from the
+original on held-out calibration windows under every damping (linear_fit's span 6–9: KL 0.370 → 0.729 / 0.815 /
+0.910 at δ = 0.1 / 0.01 / 0.001; ``benchmarks/refit_check.py``, ``results/bench/refit_gemma3-270m.md``), so such
+blocks are refused (``post_norm="refuse"``, what ``--calibration.refit_kept`` uses).
+
+Statistics per group: ``X_pᵀX_p`` and ``X_pᵀZ*`` in float64 from the real (unpadded) tokens; the walk keeps the
+per-batch states of both models (2 · tokens · d floats) and runs each re-fitted block once per group. The
+parameter count is unchanged: the re-fitted layers replace the originals.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .arch import block_input, block_output, decoder_layers
+from .calibration.sites import contiguous_spans
+from .errors import ShiftError
+from .fidelity import kl_top1_from_hidden, lm_softcap, window_references
+
+#: The linear layers of a block in the order its forward runs them; each group shares one input.
+GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+          ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+#: Groups that write into the residual stream (their target carries the stream's drift), and the stream tapped.
+WRITES = {1: "in", 3: "mid"}
+
+
+class KeptFitError(ShiftError, ValueError):
+    """A re-fit that cannot run as asked (block layout, damping)."""
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a block's forward once what is needed has been seen."""
+
+
+def _post_norm(blk, g: int):
+    """The norm applied to group ``g``'s output before it is added to the stream (Gemma3), or None (Llama)."""
+    if not hasattr(blk, "pre_feedforward_layernorm"):
+        return None
+    return blk.post_attention_layernorm if g == 1 else blk.post_feedforward_layernorm
+
+
+def _mid_norm(blk):
+    """The module whose input is the stream after attention (the MLP's pre-norm)."""
+    return blk.pre_feedforward_layernorm if hasattr(blk, "pre_feedforward_layernorm") else blk.post_attention_layernorm
+
+
+class Walk:
+    """The states entering one block per batch, and every later block's call arguments: blocks run one at a time."""
+
+    @torch.no_grad()
+    def __init__(self, model, windows, first: int, batch: int = 4):
+        self.blocks, self.at, self.h, self.masks, self.calls = decoder_layers(model), first, [], [], []
+        got = {}
+
+        def grab(i, a, kw):
+            got[i] = (tuple(a[1:]), dict(kw))
+            if i == first:
+                got["h"] = block_input(a, kw)
+
+        dev = next(model.parameters()).device
+        hs = [self.blocks[i].register_forward_pre_hook(lambda m, a, kw, i=i: grab(i, a, kw), with_kwargs=True,
+                                                       prepend=True) for i in range(first, len(self.blocks))]
+        try:
+            for b in range(0, len(windows), batch):
+                ids, mask = windows.input_ids[b:b + batch].to(dev), windows.attention_mask[b:b + batch].to(dev)
+                got.clear()
+                model.model(input_ids=ids, attention_mask=mask, use_cache=False)
+                self.h.append(got["h"])
+                self.masks.append(mask.bool())
+                self.calls.append({i: got[i] for i in range(first, len(self.blocks))})
+        finally:
+            for h in hs:
+                h.remove()
+
+    @torch.no_grad()
+    def advance_to(self, j: int) -> None:
+        """Run blocks ``at .. j − 1`` (with their hooks: adapters apply) so that the states enter block ``j``."""
+        while self.at < j:
+            blk, i = self.blocks[self.at], self.at
+            self.h = [block_output(blk(h, *self.calls[b][i][0], **self.calls[b][i][1])) for b, h in enumerate(self.h)]
+            self.at += 1
+
+    @torch.no_grad()
+    def taps(self, b: int, upto: int) -> dict:
+        """float64 rows (real tokens) of batch ``b`` at block ``at``, running the block only as far as group
+        ``upto``: for each group ``g ≤ upto`` its input ``(g, "x")``; ``"in"`` (the state after any adapter),
+        ``"mid"`` (the stream after attention) and the post-norms' outputs ``(g, "n")``."""
+        blk, i = self.blocks[self.at], self.at
+        got, handles = {}, []
+
+        def keep(key, t):
+            got[key] = t
+
+        for g in range(upto + 1):
+            lin = blk.get_submodule(GROUPS[g][0])
+            handles.append(lin.register_forward_pre_hook(lambda m, a, g=g: keep((g, "x"), a[0])))
+            norm = _post_norm(blk, g) if g in WRITES else None
+
+            def stop(m, a, o, g=g, norm=norm):
+                if norm is not None:
+                    keep((g, "n"), o)
+                if g == upto:
+                    raise _Stop
+            if norm is not None or g == upto:
+                handles.append((norm if norm is not None else lin).register_forward_hook(stop))
+        handles.append(blk.register_forward_pre_hook(lambda m, a, kw: keep("in", block_input(a, kw)),
+                                                     with_kwargs=True))
+        handles.append(_mid_norm(blk).register_forward_pre_hook(lambda m, a: keep("mid", a[0])))
+        try:
+            try:
+                blk(self.h[b], *self.calls[b][i][0], **self.calls[b][i][1])
+            except _Stop:
+                pass
+        finally:
+            for hd in handles:
+                hd.remove()
+        return {k: t[self.masks[b]].double() for k, t in got.items()}
+
+
+def _norm_target(norm, t: torch.Tensor, z_now: torch.Tensor) -> torch.Tensor:
+    """The pre-norm output whose norm points along ``t``, at the current per-token scale of ``z_now``
+    (``n(z) = z / rms(z) · (1 + w)`` is scale free: ``t`` fixes the direction, not the size)."""
+    u = t / (1.0 + norm.weight.detach().double())
+    rms = lambda v: v.pow(2).mean(-1, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny).sqrt()  # noqa: E731
+    return u / rms(u) * rms(z_now)
+
+
+def check_block(blk, where: str, post_norm: str = "refuse") -> None:
+    """Refuse a block the re-fit cannot walk (fused projections, other layouts) or, unless ``post_norm`` is
+    ``"direction"``, one that adds its branches through norms (Gemma3; see the module doc)."""
+    if post_norm == "refuse" and _post_norm(blk, 1) is not None:
+        raise KeptFitError(f"{where}: this block adds its branches to the stream through norms (Gemma3's sandwich "
+                           "norms), so a re-fitted branch cannot carry the stream's drift (measured: it moves "
+                           "Gemma3-270M away from the original); drop --calibration.refit_kept")
+    missing = [n for names in GROUPS for n in names if not isinstance(_get(blk, n), torch.nn.Linear)]
+    if missing or not isinstance(_get(blk, "post_attention_layernorm"), torch.nn.Module):
+        raise KeptFitError(f"{where}: the kept-block re-fit needs the Llama block layout (separate "
+                           f"{', '.join(missing or ['post_attention_layernorm'])}); this block differs: drop "
+                           "--calibration.refit_kept")
+
+
+def _get(blk, name: str):
+    try:
+        return blk.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+@torch.no_grad()
+def refit_kept(pruned, original, windows, pairs: list[tuple[int, int]], damping: float, progress=None,
+               post_norm: str = "refuse") -> list[dict]:
+    """Re-fit in place the linear layers of pruned blocks ``p`` (original index ``o``) for each ``(p, o)`` of
+    ``pairs`` (ascending), on ``windows`` (see the module doc); ``pruned`` carries its correction (adapters,
+    folded maps) already. ``post_norm``: ``"refuse"`` blocks with norms between branch and stream, or fit them
+    by ``"direction"`` (measured to hurt; kept for the check that measured it). Returns, per block, each layer's
+    relative weight change ``‖W' − W‖ / ‖W‖``."""
+    if post_norm not in ("refuse", "direction"):
+        raise KeptFitError(f"post_norm must be 'refuse' or 'direction', got {post_norm!r}")
+    if not pairs:
+        return []
+    if not (damping > 0 and damping < float("inf")):
+        raise KeptFitError(f"the re-fit's relative damping must be positive and finite, got {damping}")
+    blocks = decoder_layers(pruned)
+    for p, o in pairs:
+        check_block(blocks[p], f"block {o}", post_norm)
+    wp, wo = Walk(pruned, windows, pairs[0][0]), Walk(original, windows, pairs[0][1])
+    report = []
+    for p, o in pairs:
+        wp.advance_to(p)
+        wo.advance_to(o)
+        blk = wp.blocks[p]
+        moved = {}
+        for g, names in enumerate(GROUPS):
+            lins = [blk.get_submodule(n) for n in names]
+            Ws = [lin.weight.detach().double() for lin in lins]
+            G, C = 0.0, [0.0] * len(lins)
+            for b in range(len(wp.h)):  # statistics per batch: memory bounded by one batch's rows
+                ref, mine = wo.taps(b, g), wp.taps(b, g)
+                Xp = mine[(g, "x")]
+                G = G + Xp.T @ Xp
+                for i, W in enumerate(Ws):
+                    Z = ref[(g, "x")] @ W.T
+                    if g in WRITES:  # the block's output should match the original's: carry the stream's drift
+                        drift = ref[WRITES[g]] - mine[WRITES[g]]
+                        norm = _post_norm(blk, g)
+                        Z = Z + drift if norm is None else _norm_target(norm, ref[(g, "n")] + drift, Xp @ W.T)
+                    C[i] = C[i] + Xp.T @ Z
+            lam = damping * G.diagonal().mean()
+            chol = torch.linalg.cholesky(G + lam * torch.eye(G.shape[0], dtype=G.dtype, device=G.device))
+            for name, lin, W, Ci in zip(names, lins, Ws, C):
+                W_new = torch.cholesky_solve(Ci + lam * W.T, chol).T
+                moved[name] = float((W_new - W).norm() / W.norm())
+                lin.weight.copy_(W_new.to(lin.weight.dtype))
+        report.append({"block": o, "position": p, "relative_change": moved})
+        if progress is not None:
+            progress(o)
+    return report
+
+
+def refit_pairs(layers: list[int], n: int, k: int) -> list[tuple[int, int]]:
+    """``(pruned index, original index)`` of the first ``k`` kept blocks after each removed span."""
+    keep = [i for i in range(n) if i not in set(layers)]
+    pos = {o: p for p, o in enumerate(keep)}
+    out = set()
+    for span in contiguous_spans(sorted(layers)):
+        after = [o for o in keep if o >= span[1]][:k]
+        out.update((pos[o], o) for o in after)
+    return sorted(out)
+
+
+
+
+@torch.no_grad()
+def heldout_kl(model, windows, refs: dict, batch_size: int = 4) -> float:
+    """Mean next-token KL(original ‖ ``model``) over every real position of ``windows`` (``refs``: the original's
+    :func:`~shift_lightning.fidelity.window_references` on them)."""
+    dev = next(model.parameters()).device
+    head, cap, kls = model.get_output_embeddings(), lm_softcap(model), []
+    for s in range(0, len(windows), batch_size):
+        ids, mask = windows.input_ids[s:s + batch_size].to(dev), windows.attention_mask[s:s + batch_size].to(dev)
+        hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        for b in range(ids.shape[0]):
+            kls.append(kl_top1_from_hidden(hidden[b][mask[b].bool()], head, refs[s + b], cap)[0])
+    return torch.cat(kls).mean().item()
+
+
+@torch.no_grad()
+def guarded_refit(pruned, original, windows, pairs: list[tuple[int, int]], damping: float, every: int = 4,
+                  topk: int = 64, progress=None) -> dict:
+    """The re-fit with a do-no-harm check: every ``every``-th window is held out; block after block (in order,
+    earlier kept re-fits in place), the block is re-fitted on the other windows and kept only if the model gets
+    closer to the original on the held-out ones (mean KL over the original's top-``topk``); the kept blocks are
+    then re-fitted on all windows. Returns ``{"heldout_kl": {"none": …, "<block>": …}, "kept": [blocks],
+    "blocks": refit_kept's report}``."""
+    from .data import TokenWindows
+
+    if len(windows) < every:
+        raise KeptFitError(f"the re-fit's held-out check needs at least {every} calibration windows (every "
+                           f"{every}th is held out), got {len(windows)}: add windows (--data.num_samples)")
+    held = torch.arange(len(windows)) % every == every - 1
+    fit = TokenWindows(windows.input_ids[~held], windows.attention_mask[~held])
+    judge = TokenWindows(windows.input_ids[held], windows.attention_mask[held])
+    refs = window_references(original, judge.input_ids, judge.attention_mask, topk)
+    blocks = decoder_layers(pruned)
+    for p, o in pairs:
+        check_block(blocks[p], f"block {o}")
+    best = heldout_kl(pruned, judge, refs)
+    scores, kept, saved = {"none": best}, [], {}
+    for p, o in pairs:
+        before = {n: blocks[p].get_submodule(n).weight.detach().clone() for names in GROUPS for n in names}
+        refit_kept(pruned, original, fit, [(p, o)], damping)
+        scores[str(o)] = kl = heldout_kl(pruned, judge, refs)
+        if kl < best:
+            best, saved[(p, o)] = kl, before
+            kept.append((p, o))
+        else:
+            for n, w in before.items():
+                blocks[p].get_submodule(n).weight.copy_(w)
+        if progress is not None:
+            progress(o, kl, kl == best)
+    for (p, _), before in saved.items():  # the kept blocks again, from their own weights, on all windows
+        for n, w in before.items():
+            blocks[p].get_submodule(n).weight.copy_(w)
+    return {"heldout_kl": scores, "kept": [o for _, o in kept],
+            "blocks": refit_kept(pruned, original, windows, kept, damping)}

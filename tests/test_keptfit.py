@@ -1,0 +1,175 @@
+"""The kept-block re-fit (``--calibration.refit_kept``, :mod:`shift_lightning.keptfit`): its targets are the
+original's, it brings the re-fitted block's output closer to the original's, and the main job saves and reloads
+what it fitted."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from shift_lightning import load_pretrained
+from shift_lightning.calibration import CalibrationConfig
+from shift_lightning.criteria import PruneConfig
+from shift_lightning.data import TextDataConfig
+from shift_lightning.errors import ConfigError
+from shift_lightning.keptfit import KeptFitError, Walk, refit_kept, refit_pairs
+from shift_lightning.models import ModelConfig, build_tiny_model
+from shift_lightning.recipes.calibrate import run_calibration
+from shift_lightning.surgery import apply_correction, remove_blocks
+
+from test_calibration import CORPUS, HELDOUT
+from test_peers import _trainer, _windows
+
+
+def _corrected(model, layers, win):
+    from shift_lightning.calibration import CalibrationModule
+    from shift_lightning.models import decoder_layers
+
+    m = copy.deepcopy(model)
+    mod = CalibrationModule(m, layers, CalibrationConfig(damping=1e-4), solvers=["lra_replaceme"])
+    mod.calibrate(_trainer(), win, batch_size=4)
+    n = len(decoder_layers(m))
+    remove_blocks(m, layers)
+    apply_correction(m, mod.correction("lra_replaceme"), n, layers)
+    return m
+
+
+def test_refit_pairs_are_the_first_kept_blocks_after_each_span():
+    assert refit_pairs([2, 3], 6, 1) == [(2, 4)]
+    assert refit_pairs([1, 3], 6, 2) == [(1, 2), (2, 4), (3, 5)]  # a block after two spans is re-fitted once
+    assert refit_pairs([4, 5], 6, 1) == []  # the span ends the model: no kept block after it
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_refit_changes_nothing_without_drift_and_brings_the_block_closer(arch):
+    """On an unpruned copy (inputs equal the original's, no drift) no weight moves — Gemma3's post-norm targets
+    (``post_norm="direction"``, the measured-and-refused variant) included; after removing blocks 2–3 and the joint
+    map, the re-fitted block's output (pruned block 2 = original block 4) is closer to the original's there. A drift
+    term with the wrong sign, or none, fails this."""
+    model, tok = build_tiny_model(arch, num_hidden_layers=6, dtype=torch.float64)
+    win = _windows(tok, n=8)
+    same = copy.deepcopy(model)
+    report = refit_kept(same, model, win, [(2, 2), (4, 4)], 1e-2, post_norm="direction")
+    tol = dict(rtol=1e-8, atol=1e-10) if arch == "llama" else dict(rtol=1e-5, atol=1e-6)  # Gemma3's norms: float32
+    for (name, p), q in zip(model.named_parameters(), same.parameters()):
+        assert_close(q, p, **tol, msg=name)
+    assert [r["block"] for r in report] == [2, 4] and len(report[0]["relative_change"]) == 7
+
+    def gap(m):
+        wp, wo = Walk(m, win, 2), Walk(model, win, 2)
+        wp.advance_to(3), wo.advance_to(5)
+        return float(sum((a - b)[k].pow(2).sum() for a, b, k in zip(wp.h, wo.h, wp.masks)))
+
+    pruned = _corrected(model, [2, 3], win)
+    before = gap(pruned)
+    report = refit_kept(pruned, model, win, [(2, 4)], 1e-2, post_norm="direction")
+    assert gap(pruned) < 0.8 * before
+    assert all(0 < v < 10 for v in report[0]["relative_change"].values())
+
+
+def test_refit_damping_pulls_towards_the_layers_own_weights():
+    """λ regularises towards W: a large damping moves the weights less than a small one (and never infinitely)."""
+    model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
+    win = _windows(tok, n=8)
+    pruned = _corrected(model, [2, 3], win)
+    moves = [sum(refit_kept(copy.deepcopy(pruned), model, win, [(2, 4)], d)[0]["relative_change"].values())
+             for d in (1e-3, 1.0, 1e3)]
+    assert moves[0] > moves[1] > moves[2] > 0 and moves[2] < 0.05 * moves[0]
+    with pytest.raises(KeptFitError, match="positive and finite"):
+        refit_kept(copy.deepcopy(pruned), model, win, [(2, 4)], 0.0)
+
+
+def test_refit_refuses_a_block_it_cannot_walk():
+    model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
+    win = _windows(tok, n=4)
+    pruned = _corrected(model, [2, 3], win)
+    pruned.model.layers[2].self_attn.o_proj = nn.Identity()  # not a separate linear layer any more
+    with pytest.raises(KeptFitError, match=r"block 4: .*self_attn\.o_proj.*--calibration.refit_kept"):
+        refit_kept(pruned, model, win, [(2, 4)], 0.1)
+
+
+def test_gemma3_blocks_are_refused_by_default_and_early_in_the_main_job(tmp_path):
+    """Gemma3 adds its branches through norms: measured to move the model away, refused — by the library before
+    any walk, and by the main job before any pass (no output written)."""
+    model, tok = build_tiny_model("gemma3", num_hidden_layers=6, dtype=torch.float64)
+    with pytest.raises(KeptFitError, match="through norms.*drop --calibration.refit_kept"):
+        refit_kept(copy.deepcopy(model), model, _windows(tok, n=4), [(2, 4)], 0.1)
+    with pytest.raises(KeptFitError, match="gemma3_text blocks: .*through norms"):
+        run_calibration(model=ModelConfig(tiny={"family": "gemma3"}), data=TextDataConfig(source=CORPUS),
+                        calibration=CalibrationConfig(refit_kept=1), output_dir=str(tmp_path / "o"))
+    assert not (tmp_path / "o" / "calibration_report.json").exists()
+
+
+@pytest.mark.parametrize("bad,match", [({"refit_kept": -1}, "refit_kept must be a whole number"),
+                                       ({"refit_kept": True}, "refit_kept must be a whole number"),
+                                       ({"refit_damping": 0.0}, "refit_damping must be a finite number > 0")])
+def test_bad_refit_settings_fail_early(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        run_calibration(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS),
+                        calibration=CalibrationConfig(**bad), output_dir=None)
+
+
+def test_adapter_only_save_with_a_refit_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ConfigError, match="adapter-only folder does not store.*--calibration.refit_kept 0"):
+        run_calibration(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS),
+                        calibration=CalibrationConfig(refit_kept=1), output_dir=str(tmp_path / "o"),
+                        save_model="adapters")
+    assert not (tmp_path / "o" / "calibration_report.json").exists()
+
+
+def test_main_job_with_refit_saves_what_it_fitted(tmp_path):
+    """``calibrate.py --calibration.refit_kept 1``: the report lists the held-out check and what it kept; a kept
+    block differs from the same run without the re-fit, every other block does not; the saved folder reloads to the
+    same logits, the card names the re-fitted blocks, and the evaluation label says whether one was kept."""
+    from shift_lightning.evaluation.runner import EvalConfig
+
+    kw = dict(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
+              heldout=TextDataConfig(source=HELDOUT, num_samples=4, seq_len=48), prune=PruneConfig(layers=[2, 3]),
+              trainer={"accelerator": "cpu", "enable_progress_bar": False},
+              evaluate=EvalConfig(tasks="", ppl=HELDOUT, ppl_seq_len=48, ppl_max_windows=2, progress=False))
+    plain = run_calibration(**kw, output_dir=None)
+    out = tmp_path / "run"
+    res = run_calibration(**kw, calibration=CalibrationConfig(refit_kept=1), output_dir=str(out))
+    rep = json.loads((out / "calibration_report.json").read_text())
+    r = rep["refit"]
+    assert list(r["heldout_kl"]) == ["none", "4"] and rep["calibration"]["refit_kept"] == 1
+    kept = r["kept"] == [4]
+    assert kept == (r["heldout_kl"]["4"] < r["heldout_kl"]["none"]) and (r["kept"] == [] or kept)
+    a, b = plain.model.model.layers, res.model.model.layers
+    for i in range(len(a)):
+        same = all(torch.equal(p, q) for p, q in zip(a[i].parameters(), b[i].parameters()))
+        assert same == (i != 2 or not kept), i  # pruned block 2 = original block 4, the first kept after the span
+    assert "Kept blocks re-fitted after the maps" in (out / "calibration_report.md").read_text()
+    assert ("| kept blocks re-fitted | `[4]` (original indices)" in (out / "README.md").read_text()) == kept
+    assert list(rep["evaluation"]) == ["pruned+lra_replaceme" + ("+refit" if kept else "")]
+    m, tok = load_pretrained(out)
+    ids = tok("Round trip", return_tensors="pt").input_ids
+    assert torch.equal(m(ids).logits, res.model(ids).logits)
+
+
+def test_guard_keeps_a_refit_only_if_it_is_closer_on_held_out_windows(monkeypatch):
+    """Two re-fitted blocks (spans [1] and [3] of 6): the judge's scores are scripted — block 2 closer (kept), block 4
+    further (undone). Block 4's weights are then exactly the corrected model's, block 2's exactly a re-fit on all
+    windows from its own weights; held-out scores are reported per block."""
+    import shift_lightning.keptfit as K
+
+    model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
+    win = _windows(tok, n=8)
+    pruned = _corrected(model, [1, 3], win)
+    plain = copy.deepcopy(pruned)
+    scores = iter([1.0, 0.5, 0.7])
+    monkeypatch.setattr(K, "heldout_kl", lambda *a, **k: next(scores))
+    res = K.guarded_refit(pruned, model, win, refit_pairs([1, 3], 6, 1), 0.1)
+    assert res["heldout_kl"] == {"none": 1.0, "2": 0.5, "4": 0.7} and res["kept"] == [2]
+    for p, q in zip(pruned.model.layers[2].parameters(), plain.model.layers[2].parameters()):
+        assert torch.equal(p, q)  # undone
+    K.refit_kept(plain, model, win, [(1, 2)], 0.1)
+    for p, q in zip(pruned.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(KeptFitError, match="at least 4 calibration windows"):
+        K.guarded_refit(pruned, model, _windows(tok, n=3), [(1, 2)], 0.1)
