@@ -311,6 +311,9 @@ def test_anchored_and_auto_rows_take_passes_of_their_own(tmp_path):
             assert rows[a]["perplexity"][ppl_set]["ppl"] == pytest.approx(e["ppl"], rel=1e-5)
         for kl_set, v in rows[b]["kl"].items():
             assert rows[a]["kl"][kl_set] == pytest.approx(v, rel=1e-4, abs=1e-7)
+    for a, b in (("lra_auto", same), ("lra_replaceme_auto", "lra_replaceme")):  # the chosen fit's errors, not null
+        assert rows[a]["sites"][0]["calib_rel_error"] is not None
+        assert rows[a]["sites"][0]["calib_rel_error"] == pytest.approx(rows[b]["sites"][0]["calib_rel_error"], rel=1e-6)
     md = (tmp_path / "g" / "tiny.md").read_text()
     assert "+LRA per span, anchored" in md and "+LRA, fit chosen on held-out KL" in md
     assert "+LRA & ReplaceMe (joint), fit chosen on held-out KL" in md

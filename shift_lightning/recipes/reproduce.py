@@ -421,10 +421,11 @@ def _maps_check(res: dict, name: str, doc: dict, tol: float = 1e-4):
 def _site_errors(module: CalibrationModule, solver: str) -> list[dict]:
     """Per span: the held-out relative error of the whole-span map; the guards' choices."""
     out = []
+    fitted = getattr(SOLVERS.get(solver), "fit_solver", "") or solver  # mode auto: the chosen fit's errors
     for s in module.spans:
         rep = module.reports[s.key]
-        e = rep.get("span_errors", {}).get(solver, {})
-        k = rep.get("solvers", {}).get(solver, {})
+        e = rep.get("span_errors", {}).get(solver) or rep.get("span_errors", {}).get(fitted, {})
+        k = rep.get("solvers", {}).get(solver) or rep.get("solvers", {}).get(fitted, {})
         row = {"blocks": s.blocks, "heldout_rel_error": e.get("heldout_rel_error"),
                "calib_rel_error": k.get("calib_rel_error"), "map": module.span_map(solver, s).source}
         if solver == "lra_guard":
