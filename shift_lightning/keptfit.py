@@ -35,7 +35,6 @@ from __future__ import annotations
 import torch
 
 from .arch import block_input, block_output, decoder_layers
-from .calibration.sites import contiguous_spans
 from .errors import ShiftError
 from .fidelity import kl_top1_from_hidden, lm_softcap, window_references
 
@@ -221,13 +220,11 @@ def refit_kept(pruned, original, windows, pairs: list[tuple[int, int]], damping:
 
 def refit_pairs(layers: list[int], n: int, k: int) -> list[tuple[int, int]]:
     """``(pruned index, original index)`` of the first ``k`` kept blocks after each removed span."""
-    keep = [i for i in range(n) if i not in set(layers)]
+    removed = set(layers)
+    keep = [i for i in range(n) if i not in removed]
     pos = {o: p for p, o in enumerate(keep)}
-    out = set()
-    for span in contiguous_spans(sorted(layers)):
-        after = [o for o in keep if o >= span[1]][:k]
-        out.update((pos[o], o) for o in after)
-    return sorted(out)
+    ends = [i + 1 for i in sorted(removed) if i + 1 not in removed]  # each span's end (exclusive)
+    return sorted({(pos[o], o) for end in ends for o in [o for o in keep if o >= end][:k]})
 
 
 
@@ -254,7 +251,7 @@ def guarded_refit(pruned, original, windows, pairs: list[tuple[int, int]], dampi
     closer to the original on the held-out ones (mean KL over the original's top-``topk``); the kept blocks are
     then re-fitted on all windows. Returns ``{"heldout_kl": {"none": …, "<block>": …}, "kept": [blocks],
     "blocks": refit_kept's report}``."""
-    from .data import TokenWindows
+    from .data import TokenWindows  # noqa: PLC0415 (data: torch only)
 
     if len(windows) < every:
         raise KeptFitError(f"the re-fit's held-out check needs at least {every} calibration windows (every "
