@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule  # noqa: E402
 from shift_lightning.calibration.sites import make_sites  # noqa: E402
 from shift_lightning.data import TextDataConfig, TokenWindows, build_windows  # noqa: E402
-from shift_lightning.fidelity import kl_top1_from_hidden, lm_softcap, window_references  # noqa: E402
+from shift_lightning.fidelity import window_closeness, window_references  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
 from shift_lightning.recipes.tables.common import blocks_label  # noqa: E402
 from shift_lightning.surgery import apply_correction, remove_blocks  # noqa: E402
@@ -37,16 +37,7 @@ from shift_lightning.surgery import apply_correction, remove_blocks  # noqa: E40
 @torch.no_grad()
 def closeness(model, windows: TokenWindows, refs: dict, batch_size: int = 4) -> tuple[float, float]:
     """Mean KL(original ‖ model) and top-1 agreement over every real position of ``windows``."""
-    model.eval()
-    kls, agree = [], []
-    head, cap = model.get_output_embeddings(), lm_softcap(model)
-    for s in range(0, len(windows), batch_size):
-        ids, mask = windows.input_ids[s:s + batch_size], windows.attention_mask[s:s + batch_size]
-        hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        for b in range(ids.shape[0]):
-            k, a = kl_top1_from_hidden(hidden[b][mask[b].bool()], head, refs[s + b], cap)
-            kls.append(k), agree.append(a)
-    return torch.cat(kls).mean().item(), torch.cat(agree).float().mean().item()
+    return window_closeness(model, windows.input_ids, windows.attention_mask, refs, batch_size)
 
 
 def main(argv=None):

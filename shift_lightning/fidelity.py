@@ -179,6 +179,27 @@ def window_references(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     return out
 
 
+@torch.no_grad()
+def window_closeness(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, refs: dict[int, TopK],
+                     batch_size: int = 4) -> tuple[float, float]:
+    """Mean KL(original ‖ ``model``) and top-1 agreement over every real position of the windows, ``refs`` the
+    original's :func:`window_references` on them."""
+    was = model.training
+    model.eval()
+    dev = next(model.parameters()).device
+    head, cap, kls, agree = model.get_output_embeddings(), lm_softcap(model), [], []
+    try:
+        for s in range(0, input_ids.shape[0], batch_size):
+            ids, mask = input_ids[s:s + batch_size].to(dev), attention_mask[s:s + batch_size].to(dev)
+            hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            for b in range(ids.shape[0]):
+                k, a = kl_top1_from_hidden(hidden[b][mask[b].bool()], head, refs[s + b], cap)
+                kls.append(k), agree.append(a)
+    finally:
+        model.train(was)
+    return torch.cat(kls).mean().item(), torch.cat(agree).float().mean().item()
+
+
 def _chunk_kd_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, index: torch.Tensor,
                   logp: torch.Tensor, softcap: float | None) -> torch.Tensor:
     lq = _logp(torch.nn.functional.linear(hidden, weight, bias), softcap)  # (n, V), float32 at least

@@ -36,7 +36,7 @@ import torch
 
 from .arch import block_input, block_output, decoder_layers
 from .errors import ShiftError
-from .fidelity import kl_top1_from_hidden, lm_softcap, window_references
+from .fidelity import window_closeness, window_references
 
 #: The linear layers of a block in the order its forward runs them; each group shares one input.
 GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
@@ -229,18 +229,10 @@ def refit_pairs(layers: list[int], n: int, k: int) -> list[tuple[int, int]]:
 
 
 
-@torch.no_grad()
-def heldout_kl(model, windows, refs: dict, batch_size: int = 4) -> float:
+def heldout_kl(model, windows, refs: dict) -> float:
     """Mean next-token KL(original ‖ ``model``) over every real position of ``windows`` (``refs``: the original's
     :func:`~shift_lightning.fidelity.window_references` on them)."""
-    dev = next(model.parameters()).device
-    head, cap, kls = model.get_output_embeddings(), lm_softcap(model), []
-    for s in range(0, len(windows), batch_size):
-        ids, mask = windows.input_ids[s:s + batch_size].to(dev), windows.attention_mask[s:s + batch_size].to(dev)
-        hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        for b in range(ids.shape[0]):
-            kls.append(kl_top1_from_hidden(hidden[b][mask[b].bool()], head, refs[s + b], cap)[0])
-    return torch.cat(kls).mean().item()
+    return window_closeness(model, windows.input_ids, windows.attention_mask, refs)[0]
 
 
 @torch.no_grad()
