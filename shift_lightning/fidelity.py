@@ -181,23 +181,30 @@ def window_references(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 @torch.no_grad()
 def window_closeness(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, refs: dict[int, TopK],
-                     batch_size: int = 4) -> tuple[float, float]:
+                     batch_size: int = 4, reduce=None) -> tuple[float, float]:
     """Mean KL(original ‖ ``model``) and top-1 agreement over every real position of the windows, ``refs`` the
-    original's :func:`window_references` on them."""
+    original's :func:`window_references` on them. Across ranks: the windows are this rank's share and
+    ``reduce(tensors)`` sums tensors over ranks in place (sums and counts, one call; a rank may have none)."""
     was = model.training
     model.eval()
     dev = next(model.parameters()).device
-    head, cap, kls, agree = model.get_output_embeddings(), lm_softcap(model), [], []
+    head, cap = model.get_output_embeddings(), lm_softcap(model)
+    tot = torch.zeros(3, dtype=torch.float64, device=dev)  # Σ KL, Σ agreement, positions
     try:
         for s in range(0, input_ids.shape[0], batch_size):
             ids, mask = input_ids[s:s + batch_size].to(dev), attention_mask[s:s + batch_size].to(dev)
             hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
             for b in range(ids.shape[0]):
                 k, a = kl_top1_from_hidden(hidden[b][mask[b].bool()], head, refs[s + b], cap)
-                kls.append(k), agree.append(a)
+                n = torch.tensor(float(k.numel()), dtype=torch.float64, device=k.device)
+                tot += torch.stack([k.double().sum(), a.double().sum(), n]).to(dev)
     finally:
         model.train(was)
-    return torch.cat(kls).mean().item(), torch.cat(agree).float().mean().item()
+    if reduce is not None:
+        reduce([tot])
+    if not tot[2] > 0:
+        raise ValueError("window_closeness: no real positions to compare (every window empty or padding)")
+    return (tot[0] / tot[2]).item(), (tot[1] / tot[2]).item()
 
 
 def _chunk_kd_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, index: torch.Tensor,

@@ -169,12 +169,17 @@ def _get(blk, name: str):
 
 @torch.no_grad()
 def refit_kept(pruned, original, windows, pairs: list[tuple[int, int]], damping: float, progress=None,
-               post_norm: str = "refuse") -> list[dict]:
+               post_norm: str = "refuse", reduce=None) -> list[dict]:
     """Re-fit in place the linear layers of pruned blocks ``p`` (original index ``o``) for each ``(p, o)`` of
     ``pairs`` (ascending), on ``windows`` (see the module doc); ``pruned`` carries its correction (adapters,
     folded maps) already. ``post_norm``: ``"refuse"`` blocks with norms between branch and stream, or fit them
     by ``"direction"`` (measured to hurt; kept for the check that measured it). Returns, per block, each layer's
-    relative weight change ``‖W' − W‖ / ‖W‖``."""
+    relative weight change ``‖W' − W‖ / ‖W‖`` and the number of token rows fitted.
+
+    Across ranks: ``windows`` is this rank's share (none repeated) and ``reduce(tensors)`` sums tensors over ranks
+    in place (e.g. :func:`shift_lightning.dist.all_reduce_flat`); each group's statistics are reduced once, after
+    its pass over the windows, and every rank then solves the same system (a rank with no windows still takes
+    part)."""
     if post_norm not in ("refuse", "direction"):
         raise KeptFitError(f"post_norm must be 'refuse' or 'direction', got {post_norm!r}")
     if not pairs:
@@ -185,34 +190,44 @@ def refit_kept(pruned, original, windows, pairs: list[tuple[int, int]], damping:
     for p, o in pairs:
         check_block(blocks[p], f"block {o}", post_norm)
     wp, wo = Walk(pruned, windows, pairs[0][0]), Walk(original, windows, pairs[0][1])
+    dev = next(pruned.parameters()).device
     report = []
     for p, o in pairs:
         wp.advance_to(p)
         wo.advance_to(o)
         blk = wp.blocks[p]
         moved = {}
+        rows = torch.zeros((), dtype=torch.float64, device=dev)
         for g, names in enumerate(GROUPS):
             lins = [blk.get_submodule(n) for n in names]
             Ws = [lin.weight.detach().double() for lin in lins]
-            G, C = 0.0, [0.0] * len(lins)
+            d_in = lins[0].in_features
+            G = torch.zeros(d_in, d_in, dtype=torch.float64, device=dev)
+            C = [torch.zeros(d_in, W.shape[0], dtype=torch.float64, device=dev) for W in Ws]
             for b in range(len(wp.h)):  # statistics per batch: memory bounded by one batch's rows
                 ref, mine = wo.taps(b, g), wp.taps(b, g)
                 Xp = mine[(g, "x")]
-                G = G + Xp.T @ Xp
+                G += Xp.T @ Xp
+                if g == 0:
+                    rows += Xp.shape[0]
                 for i, W in enumerate(Ws):
                     Z = ref[(g, "x")] @ W.T
                     if g in WRITES:  # the block's output should match the original's: carry the stream's drift
                         drift = ref[WRITES[g]] - mine[WRITES[g]]
                         norm = _post_norm(blk, g)
                         Z = Z + drift if norm is None else _norm_target(norm, ref[(g, "n")] + drift, Xp @ W.T)
-                    C[i] = C[i] + Xp.T @ Z
+                    C[i] += Xp.T @ Z
+            if reduce is not None:  # one sum over ranks per group, after its pass
+                reduce([G, *C] + ([rows] if g == 0 else []))
+            if not rows > 0:
+                raise KeptFitError(f"block {o}: no calibration tokens to re-fit it on")
             lam = damping * G.diagonal().mean()
             chol = torch.linalg.cholesky(G + lam * torch.eye(G.shape[0], dtype=G.dtype, device=G.device))
             for name, lin, W, Ci in zip(names, lins, Ws, C):
                 W_new = torch.cholesky_solve(Ci + lam * W.T, chol).T
                 moved[name] = float((W_new - W).norm() / W.norm())
                 lin.weight.copy_(W_new.to(lin.weight.dtype))
-        report.append({"block": o, "position": p, "relative_change": moved})
+        report.append({"block": o, "position": p, "relative_change": moved, "tokens": int(rows.item())})
         if progress is not None:
             progress(o)
     return report
@@ -229,38 +244,49 @@ def refit_pairs(layers: list[int], n: int, k: int) -> list[tuple[int, int]]:
 
 
 
-def heldout_kl(model, windows, refs: dict) -> float:
+def heldout_kl(model, windows, refs: dict, reduce=None) -> float:
     """Mean next-token KL(original ‖ ``model``) over every real position of ``windows`` (``refs``: the original's
-    :func:`~shift_lightning.fidelity.window_references` on them)."""
-    return window_closeness(model, windows.input_ids, windows.attention_mask, refs)[0]
+    :func:`~shift_lightning.fidelity.window_references` on them; across ranks, this rank's share and ``reduce``)."""
+    return window_closeness(model, windows.input_ids, windows.attention_mask, refs, reduce=reduce)[0]
 
 
 @torch.no_grad()
 def guarded_refit(pruned, original, windows, pairs: list[tuple[int, int]], damping: float, every: int = 4,
-                  topk: int = 64, progress=None) -> dict:
+                  topk: int = 64, progress=None, rank: int = 0, world: int = 1, reduce=None) -> dict:
     """The re-fit with a do-no-harm check: every ``every``-th window is held out; block after block (in order,
     earlier kept re-fits in place), the block is re-fitted on the other windows and kept only if the model gets
     closer to the original on the held-out ones (mean KL over the original's top-``topk``); the kept blocks are
     then re-fitted on all windows. Returns ``{"heldout_kl": {"none": …, "<block>": …}, "kept": [blocks],
-    "blocks": refit_kept's report}``."""
+    "blocks": refit_kept's report}``.
+
+    Across ``world`` ranks: ``windows`` are all of them (the same on every rank); the held-out split is made on
+    them, then each part is shared out (rank ``r`` takes windows ``r, r + world, …`` of it, none repeated) and
+    statistics and scores are summed with ``reduce`` (see :func:`refit_kept`), so every rank keeps the same
+    blocks and ends with the same weights as one process would."""
     from .data import TokenWindows  # noqa: PLC0415 (data: torch only)
 
     if len(windows) < every:
         raise KeptFitError(f"the re-fit's held-out check needs at least {every} calibration windows (every "
                            f"{every}th is held out), got {len(windows)}: add windows (--data.num_samples)")
+    if world > 1 and reduce is None:
+        raise KeptFitError(f"a re-fit shared out over {world} ranks needs reduce (a sum over ranks)")
+
+    def share(keep: torch.Tensor):
+        idx = keep.nonzero().flatten()[rank::world]
+        return TokenWindows(windows.input_ids[idx], windows.attention_mask[idx])
+
     held = torch.arange(len(windows)) % every == every - 1
-    fit = TokenWindows(windows.input_ids[~held], windows.attention_mask[~held])
-    judge = TokenWindows(windows.input_ids[held], windows.attention_mask[held])
+    fit, judge, mine = share(~held), share(held), share(torch.ones_like(held))
     refs = window_references(original, judge.input_ids, judge.attention_mask, topk)
     blocks = decoder_layers(pruned)
     for p, o in pairs:
         check_block(blocks[p], f"block {o}")
-    best = heldout_kl(pruned, judge, refs)
+    best = heldout_kl(pruned, judge, refs, reduce)
     scores, kept, saved = {"none": best}, [], {}
     for p, o in pairs:
         before = {n: blocks[p].get_submodule(n).weight.detach().clone() for names in GROUPS for n in names}
-        refit_kept(pruned, original, fit, [(p, o)], damping)
-        scores[str(o)] = kl = heldout_kl(pruned, judge, refs)
+        refit_kept(pruned, original, fit, [(p, o)], damping, reduce=reduce)
+        scores[str(o)] = kl = heldout_kl(pruned, judge, refs, reduce)
         if kl < best:
             best, saved[(p, o)] = kl, before
             kept.append((p, o))
@@ -273,4 +299,4 @@ def guarded_refit(pruned, original, windows, pairs: list[tuple[int, int]], dampi
         for n, w in before.items():
             blocks[p].get_submodule(n).weight.copy_(w)
     return {"heldout_kl": scores, "kept": [o for _, o in kept],
-            "blocks": refit_kept(pruned, original, windows, kept, damping)}
+            "blocks": refit_kept(pruned, original, mine, kept, damping, reduce=reduce)}

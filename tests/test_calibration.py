@@ -455,15 +455,18 @@ def test_pipeline_evaluates_original_pruned_and_corrected(tmp_path):
 
 
 def test_ddp_kept_block_refit_matches_one_process(tmp_path):
-    """``--calibration.refit_kept``: every rank re-fits on all windows (nothing shared out), so 2 processes give
-    what 1 gives — the held-out check's scores and choice, and the saved weights of every block."""
+    """``--calibration.refit_kept``: the windows are shared out over the ranks (each fitted once: the token count
+    is one process's) and the statistics and scores summed, so 2 processes give what 1 gives — the held-out
+    check's scores and choice, and the saved weights of every block."""
     extra = ["--calibration.refit_kept", "2", "--prune.layers", "[1, 3]"]
     _cli("--output_dir", str(tmp_path / "one"), *extra)
     _cli("--output_dir", str(tmp_path / "two"), *extra, world=2)
-    r1, r2 = (json.loads((tmp_path / n / "calibration_report.json").read_text())["refit"] for n in ("one", "two"))
+    full = [json.loads((tmp_path / n / "calibration_report.json").read_text()) for n in ("one", "two")]
+    r1, r2 = (f["refit"] for f in full)
     assert list(r1["heldout_kl"]) == ["none", "2", "4", "5"] and r1["kept"] == r2["kept"]
     for k, v in r1["heldout_kl"].items():
         assert r2["heldout_kl"][k] == pytest.approx(v, rel=1e-5)
+    assert r1["blocks"] and {b["tokens"] for b in r1["blocks"] + r2["blocks"]} == {full[0]["calibration_tokens"]}
     w1, w2 = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("one", "two"))
     assert w1.keys() == w2.keys()
     for k in w1:

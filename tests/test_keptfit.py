@@ -166,6 +166,7 @@ def test_guard_keeps_a_refit_only_if_it_is_closer_on_held_out_windows(monkeypatc
     monkeypatch.setattr(K, "heldout_kl", lambda *a, **k: next(scores))
     res = K.guarded_refit(pruned, model, win, refit_pairs([1, 3], 6, 1), 0.1)
     assert res["heldout_kl"] == {"none": 1.0, "2": 0.5, "4": 0.7} and res["kept"] == [2]
+    assert [b["tokens"] for b in res["blocks"]] == [int(win.attention_mask.sum())]  # every real token, once
     for p, q in zip(pruned.model.layers[2].parameters(), plain.model.layers[2].parameters()):
         assert torch.equal(p, q)  # undone
     K.refit_kept(plain, model, win, [(1, 2)], 0.1)
@@ -173,3 +174,5 @@ def test_guard_keeps_a_refit_only_if_it_is_closer_on_held_out_windows(monkeypatc
         assert torch.equal(p, q)
     with pytest.raises(KeptFitError, match="at least 4 calibration windows"):
         K.guarded_refit(pruned, model, _windows(tok, n=3), [(1, 2)], 0.1)
+    with pytest.raises(KeptFitError, match="needs reduce"):
+        K.guarded_refit(pruned, model, win, [(1, 2)], 0.1, rank=0, world=2)
