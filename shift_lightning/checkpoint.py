@@ -68,6 +68,9 @@ class ShiftSpec:
     """``{"block": i, "after": "post_feedforward_layernorm" | "down_proj"}``: ReplaceMe maps by pruned block."""
     weights: Literal["full", "adapters"] = "full"
     """``adapters``: the folder holds no model weights (the base model is rebuilt)."""
+    refit_blocks: list[int] | None = None
+    """Pruned positions of kept blocks whose linear layers were re-fitted (``--calibration.refit_kept``); an
+    adapter-only folder stores their weights in ``lra.safetensors`` as ``kept.<position>.<layer>.weight``."""
     recovered: bool | None = None
     recovery_steps: int | None = None
     format_version: int = FORMAT_VERSION
@@ -110,6 +113,11 @@ class ShiftSpec:
             raise SurgeryError(f"{source}: 'weights' must be 'full' or 'adapters', got {weights!r}")
         if weights == "adapters" and not isinstance(doc.get("base_model"), dict):
             raise SurgeryError(f"{source}: an adapter-only folder must name its base_model")
+        refit = doc.get("refit_blocks")
+        if refit is not None and (not isinstance(refit, list) or len(set(refit)) != len(refit) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n - len(pruned) for i in refit)):
+            raise SurgeryError(f"{source}: 'refit_blocks' must list distinct positions of the pruned model's "
+                               f"{n - len(pruned)} blocks, got {refit!r}")
         known = {f.name for f in fields(cls)} - {"extra"}
         return cls(**{k: doc[k] for k in known if k in doc},
                    extra={k: v for k, v in doc.items() if k not in known})
@@ -195,6 +203,11 @@ def save_adapters(model: nn.Module, tokenizer, out_dir: str | Path, spec: ShiftS
         tensors[f"branch.{i}.weight"] = T.T.detach().to(torch.float32).contiguous().cpu()
         after = "post_feedforward_layernorm" if hasattr(blocks[i], "post_feedforward_layernorm") else "down_proj"
         spec.branch_maps.append({"block": i, "after": after})
+    from .keptfit import GROUPS  # noqa: PLC0415
+
+    for p in spec.refit_blocks or []:  # re-fitted kept blocks: the base model's weights differ there
+        for name in (n for names in GROUPS for n in names):
+            tensors[f"kept.{p}.{name}.weight"] = blocks[p].get_submodule(name).weight.detach().contiguous().cpu()
     save_file(tensors, str(out / LRA_WEIGHTS), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
@@ -300,8 +313,14 @@ def _read_weights(path: Path, spec: ShiftSpec) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(wfile), framework="pt") as f:
             keys = list(f.keys())
-            present = {k.split(".", 1)[0] for k in keys if not k.startswith("branch.")}
+            present = {k.split(".", 1)[0] for k in keys if not k.startswith(("branch.", "kept."))}
             held_branches = {int(k.split(".")[1]) for k in keys if k.startswith("branch.")}
+            held_kept = {int(k.split(".")[1]) for k in keys if k.startswith("kept.")}
+            want_kept = set(spec.refit_blocks or []) if spec.weights == "adapters" else set()
+            if held_kept != want_kept:
+                raise SurgeryError(f"{wfile} holds re-fitted weights of kept blocks {sorted(held_kept)} but "
+                                   f"{SHIFT_CONFIG} expects {sorted(want_kept)}: refusing to load a model whose "
+                                   "weights do not match its record")
             if held_branches != {b["block"] for b in spec.branch_maps}:
                 raise SurgeryError(f"{wfile} holds MLP-branch maps for blocks {sorted(held_branches)} but "
                                    f"{SHIFT_CONFIG} lists {sorted(b['block'] for b in spec.branch_maps)}")
@@ -318,6 +337,24 @@ def _read_weights(path: Path, spec: ShiftSpec) -> dict[str, torch.Tensor]:
     if bad:
         raise SurgeryError(f"{wfile}: non-finite adapter weights in {bad[:3]}; the folder is damaged")
     return weights
+
+
+@torch.no_grad()
+def _load_kept(model: nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Put an adapter-only folder's re-fitted kept-block weights (``kept.<position>.<layer>.weight``) in place."""
+    blocks = decoder_layers(model)
+    for key, t in weights.items():
+        if not key.startswith("kept."):
+            continue
+        p, name = key.split(".", 2)[1:]
+        try:
+            w = blocks[int(p)].get_submodule(name.removesuffix(".weight")).weight
+        except (AttributeError, IndexError) as e:
+            raise SurgeryError(f"{path / LRA_WEIGHTS}: {key} names no layer of the rebuilt model ({e})") from e
+        if w.shape != t.shape:
+            raise SurgeryError(f"{path / LRA_WEIGHTS}: {key} has shape {tuple(t.shape)}, the base model's layer "
+                               f"{tuple(w.shape)}: the folder does not belong to this base model")
+        w.copy_(t.to(w.dtype))
 
 
 def _load_shift_folder(path: Path, dtype, device):
@@ -371,6 +408,8 @@ def _load_shift_folder(path: Path, dtype, device):
         if not 0 <= i < len(blocks) or (not post_norm and not adapter_only):
             raise SurgeryError(f"{path / SHIFT_CONFIG}: MLP-branch map for block {i}, which has no post-MLP norm")
         fold_replaceme(blocks[i], weights[f"branch.{i}.weight"].to(torch.float64).T)
+    if adapter_only:  # last: a re-fitted block's weights are final (a map folded into it before the re-fit)
+        _load_kept(model, weights, path)
     if device is not None:
         model.to(device)
     model.eval()

@@ -114,12 +114,37 @@ def test_bad_refit_settings_fail_early(bad, match):
                         calibration=CalibrationConfig(**bad), output_dir=None)
 
 
-def test_adapter_only_save_with_a_refit_is_refused_before_any_work(tmp_path):
-    with pytest.raises(ConfigError, match="adapter-only folder does not store.*--calibration.refit_kept 0"):
-        run_calibration(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS),
-                        calibration=CalibrationConfig(refit_kept=1), output_dir=str(tmp_path / "o"),
-                        save_model="adapters")
-    assert not (tmp_path / "o" / "calibration_report.json").exists()
+def test_adapter_only_folder_stores_the_refitted_blocks(tmp_path, monkeypatch):
+    """train.py's calibration stage saves adapter-only folders: the re-fitted blocks' layers go with the adapters
+    (``kept.<position>.<layer>.weight``, positions in ``refit_blocks``) and the folder rebuilds from the base model
+    to the same logits — block 2 carries both a folded ReplaceMe map (before span [3]) and a re-fit (after span
+    [1]), so the re-fitted weights must be put in place after the map is folded. A record that does not match the
+    stored weights is refused."""
+    import shift_lightning.keptfit as K
+    from shift_lightning.surgery import SurgeryError
+
+    scores = iter([1.0, 0.5, 0.4])  # both re-fits kept
+    monkeypatch.setattr(K, "heldout_kl", lambda *a, **k: next(scores))
+    out = tmp_path / "a"
+    res = run_calibration(model=ModelConfig(tiny={"family": "llama"}),
+                          data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
+                          heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[1, 3]),
+                          calibration=CalibrationConfig(refit_kept=1), output_dir=str(out), save_model="adapters",
+                          trainer={"accelerator": "cpu", "enable_progress_bar": False})
+    spec = json.loads((out / "shift_config.json").read_text())
+    assert spec["weights"] == "adapters" and spec["refit_blocks"] == [1, 2] and res.report.refit["kept"] == [2, 4]
+    assert spec["branch_maps"] == [{"block": 0, "after": "down_proj"}, {"block": 1, "after": "down_proj"}]
+    m, tok = load_pretrained(out)
+    for i in (1, 2):  # the re-fitted blocks exactly (block 1 = original 2 also had a map folded in)
+        for p, q in zip(m.model.layers[i].parameters(), res.model.model.layers[i].parameters()):
+            assert torch.equal(p, q)
+    ids = tok("Round trip", return_tensors="pt").input_ids
+    # block 0's map is folded again from its stored float32 copy: equal to float32 rounding, as without a re-fit
+    assert_close(m(ids).logits, res.model(ids).logits, rtol=1e-5, atol=1e-6)
+    spec["refit_blocks"] = [1]
+    (out / "shift_config.json").write_text(json.dumps(spec))
+    with pytest.raises(SurgeryError, match=r"re-fitted weights of kept blocks \[1, 2\] but .* expects \[1\]"):
+        load_pretrained(out)
 
 
 def test_main_job_with_refit_saves_what_it_fitted(tmp_path):
@@ -176,3 +201,36 @@ def test_guard_keeps_a_refit_only_if_it_is_closer_on_held_out_windows(monkeypatc
         K.guarded_refit(pruned, model, _windows(tok, n=3), [(1, 2)], 0.1)
     with pytest.raises(KeptFitError, match="needs reduce"):
         K.guarded_refit(pruned, model, win, [(1, 2)], 0.1, rank=0, world=2)
+
+
+def test_train_job_recovers_from_a_refitted_calibration(tmp_path, monkeypatch):
+    """``train.py --calibration.refit_kept 1``: the calibration stage's adapter-only folder carries the re-fitted
+    block (reloading it gives what a calibration alone gives), LoRA recovery trains on top, and the exported
+    model records the re-fitted positions."""
+    import lightning as L
+
+    import shift_lightning.keptfit as K
+    from shift_lightning.recipes.train import run_training
+    from shift_lightning.recovery import RecoveryConfig
+
+    monkeypatch.setattr(K, "heldout_kl", lambda *a, **k: next(scores))  # the re-fit kept (scripted judge)
+    kw = dict(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
+              heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[2, 3]),
+              calibration=CalibrationConfig(refit_kept=1))
+    scores = iter([1.0, 0.5])
+    alone = run_calibration(**kw, output_dir=None, trainer={"accelerator": "cpu", "enable_progress_bar": False})
+    assert alone.report.refit["kept"] == [4]
+    scores = iter([1.0, 0.5])
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, val_check_interval=2, check_val_every_n_epoch=None,
+                        inference_mode=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+                        enable_progress_bar=False, enable_model_summary=False, logger=False)
+    rep = run_training(trainer, **kw, train_data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48, batch_size=4),
+                       val=TextDataConfig(source=HELDOUT, num_samples=2, seq_len=48),
+                       recovery=RecoveryConfig(method="lora", lora_r=4, lr=2e-3), output_dir=str(tmp_path / "job"))
+    assert rep.report.steps == 2
+    cal, _ = load_pretrained(tmp_path / "job.calibration")
+    for p, q in zip(cal.model.layers[2].parameters(), alone.model.model.layers[2].parameters()):
+        assert torch.equal(p, q)
+    assert json.loads((tmp_path / "job.calibration" / "shift_config.json").read_text())["refit_blocks"] == [2]
+    assert json.loads((tmp_path / "job" / "shift_config.json").read_text())["refit_blocks"] == [2]
+    load_pretrained(tmp_path / "job")

@@ -148,10 +148,6 @@ def run_calibration(
         prepare_output(output_dir, overwrite, local_inputs(model_cfg if built is None else None, data=data,
                                                            heldout=heldout))
     check_early(prune, data, calibration, heldout)
-    if calibration.refit_kept and save_model == "adapters":
-        raise ConfigError(f"--calibration.refit_kept {calibration.refit_kept} changes the weights of kept blocks, "
-                          "which an adapter-only folder does not store (train.py saves its calibration that way): "
-                          "save the full model (calibrate.py --save_model true) or set --calibration.refit_kept 0")
     t0 = time.time()
 
     lm, tokenizer = built if built is not None else load_pretrained(model_cfg)
@@ -231,7 +227,7 @@ def run_calibration(
         evaluation=evals or None, refit=refit)
     if output_dir is not None and dist.rank() == 0:
         spec = ShiftSpec(n_layers, selection.layers, base_model=report.model, criterion=selection.criterion,
-                         correction=calibration.solver)
+                         correction=calibration.solver, refit_blocks=refit_positions(refit))
 
         card = CardFacts(command=command, calibration=report.to_dict())
 
@@ -253,6 +249,11 @@ def run_calibration(
         log.info("Wrote %s", output_dir)
     dist.barrier()
     return CalibrationResult(report, lm, tokenizer, Path(output_dir) if output_dir else None)
+
+
+def refit_positions(refit: dict | None) -> list[int] | None:
+    """Pruned positions of the kept blocks the re-fit changed (``shift_config.json``'s ``refit_blocks``)."""
+    return [b["position"] for b in refit["blocks"]] if refit and refit["kept"] else None
 
 
 class ModelEvaluation:

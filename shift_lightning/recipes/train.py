@@ -85,7 +85,7 @@ def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, o
     """``(model, tokenizer, spec)``: a calibrated folder as given, the job's own earlier calibration,
     or a fresh calibration on ``trainer`` written to ``<output_dir>.calibration``. ``on_original(model,
     tokenizer)`` sees the unpruned model first (the closeness reference is recorded from it)."""
-    from .calibrate import run_calibration
+    from .calibrate import refit_positions, run_calibration
 
     def original_of(spec: dict) -> None:
         base = base_model_config(spec)
@@ -126,7 +126,7 @@ def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, o
                              extra_files={"calibration_key.json": key}, built=built)
     r = result.report
     spec = ShiftSpec(r.original_num_layers, r.pruned_layers, base_model=r.model, criterion=r.criterion,
-                     correction=calib["calibration"].solver).to_dict()
+                     correction=calib["calibration"].solver, refit_blocks=refit_positions(r.refit)).to_dict()
     return result.model, result.tokenizer, spec
 
 
