@@ -131,10 +131,11 @@ def evaluate(a, crit: str, layers: list[int], doc: dict, land, trainer, n: int) 
     from shift_lightning.recipes import harness
     from shift_lightning.recipes.reproduce import ReproduceConfig, eval_config
 
-    if any(r.get("evaluated") and r["criterion"] == crit for r in doc["rows"]):
-        return
     tried = [r for r in doc["rows"] if r["criterion"] == crit and not r.get("evaluated") and r["k"] > 0]
     best = min(tried, key=lambda r: r["kl"])
+    if any(r.get("evaluated") and (r["criterion"], r["k"], r["damping"]) == (crit, best["k"], best["damping"])
+           for r in doc["rows"]):
+        return  # this choice is scored already (an earlier choice, from fewer settings, stays in the table)
     grid = Path(a.grid) / a.model
     cfg = replace(ReproduceConfig(model=a.model, calib_source="mixed"),
                   **{k: v for k, v in json.loads((grid / crit / "lra_replaceme.json").read_text())["config"].items()
@@ -150,7 +151,7 @@ def evaluate(a, crit: str, layers: list[int], doc: dict, land, trainer, n: int) 
     row = {"criterion": crit, "layers": layers, "k": best["k"], "damping": best["damping"], "evaluated": True,
            **harness.row_doc(res), "seconds": {"map_and_refit": fit_s, "evaluation": time.perf_counter() - t0 - fit_s}}
     write_json_atomic(str(Path(a.out or f"results/bench/refit_{a.model}").with_name(
-        f"refit_{a.model}_{crit}_row.json")), row)  # kept before anything else can fail
+        f"refit_{a.model}_{crit}_k{best['k']}_d{best['damping']:g}_row.json")), row)  # kept before anything can fail
     joint = json.loads((grid / crit / "lra_replaceme.json").read_text())
     pruned_dir = Path(joint["config"].get("pruned_from") or a.grid) / a.model
     rows = {"original": json.loads((grid / "original.json").read_text()), "lra_replaceme": joint,
