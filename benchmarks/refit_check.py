@@ -38,7 +38,7 @@ from anchored_check import closeness
 import torch
 
 from shift_lightning.arch import decoder_layers
-from shift_lightning.keptfit import Walk, refit_kept, refit_pairs  # noqa: F401 (Walk: the tests)
+from shift_lightning.keptfit import Walk, guarded_refit, refit_kept, refit_pairs  # noqa: F401 (Walk: the tests)
 from shift_lightning.outputs import write_json_atomic, write_text_atomic
 
 def corrected_copy(model, layers: list[int], windows, damping: float, make_trainer):
@@ -67,6 +67,8 @@ def main(argv=None):
     ap.add_argument("--ks", default="1,2", help="kept blocks re-fitted after each span")
     ap.add_argument("--dampings", default="1e-3,1e-2,1e-1")
     ap.add_argument("--map_damping", type=float, default=1e-4, help="the joint map's (the grid's)")
+    ap.add_argument("--guarded", action="store_true", help="the main job's do-no-harm check: each block's re-fit "
+                    "kept only if closer on a held-out quarter of the fit windows (--calibration.refit_kept)")
     ap.add_argument("--evaluate", action="store_true", help="score the held-out choice as the grid scores a row")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -78,11 +80,12 @@ def main(argv=None):
     out = Path(a.out or f"results/bench/refit_{a.model.replace(':', '_')}")
     doc = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {"rows": []}
     cmd = "python benchmarks/refit_check.py " + " ".join(
-        f"--{k} {v}" for k, v in vars(a).items() if v not in (None, False, True)) + (" --evaluate" if a.evaluate else "")
+        f"--{k} {v}" for k, v in vars(a).items() if v not in (None, False, True)) + \
+        "".join(f" --{k}" for k, v in vars(a).items() if v is True)
     doc["commands"] = [c for c in doc.get("commands", [doc["command"]] if "command" in doc else []) if c != cmd] + [cmd]
     doc.update({"command": cmd, "model": a.model, "machine": C.machine(torch.device("cpu")), "fit_windows": len(fit),
         "judge_windows": len(judge)})
-    done = {(r["criterion"], r["k"], r["damping"]) for r in doc["rows"]}
+    done = {(r["criterion"], r["k"], r["damping"], r.get("guarded", False)) for r in doc["rows"]}
 
     def trainer():
         return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, inference_mode=False,
@@ -105,19 +108,24 @@ def main(argv=None):
         for k in (int(v) for v in a.ks.split(",")):
             pairs = refit_pairs(layers, n, k)
             for damp in (float(v) for v in a.dampings.split(",")):
-                if (crit, k, damp) in done:
+                if (crit, k, damp, a.guarded) in done:
                     continue
                 if base is None:
                     base = corrected_copy(model, layers, fit, a.map_damping, trainer)
-                    if (crit, 0, None) not in done:
+                    if (crit, 0, None, False) not in done:
                         kl, top1 = closeness(base, judge, refs)
                         land({"criterion": crit, "layers": layers, "k": 0, "damping": None, "refitted": [],
                               "kl": kl, "top1": top1, "seconds": 0.0})
                 t0 = time.perf_counter()
                 m = copy.deepcopy(base)
-                refit_kept(m, model, fit, pairs, damp, post_norm="direction")
+                if a.guarded:  # what the main job runs: its own held-out split inside the fit windows
+                    refitted = guarded_refit(m, model, fit, pairs, damp)["kept"]
+                else:
+                    refit_kept(m, model, fit, pairs, damp, post_norm="direction")
+                    refitted = [o for _, o in pairs]
                 kl, top1 = closeness(m, judge, refs)
-                land({"criterion": crit, "layers": layers, "k": k, "damping": damp, "refitted": [o for _, o in pairs],
+                land({"criterion": crit, "layers": layers, "k": k, "damping": damp, "refitted": refitted,
+                      **({"guarded": True, "tried": [o for _, o in pairs]} if a.guarded else {}),
                       "kl": kl, "top1": top1, "seconds": time.perf_counter() - t0})
                 del m
         if a.evaluate:
@@ -133,8 +141,8 @@ def evaluate(a, crit: str, layers: list[int], doc: dict, land, trainer, n: int) 
 
     tried = [r for r in doc["rows"] if r["criterion"] == crit and not r.get("evaluated") and r["k"] > 0]
     best = min(tried, key=lambda r: r["kl"])
-    if any(r.get("evaluated") and (r["criterion"], r["k"], r["damping"]) == (crit, best["k"], best["damping"])
-           for r in doc["rows"]):
+    key = lambda r: (r["criterion"], r["k"], r["damping"], r.get("guarded", False))  # noqa: E731
+    if any(r.get("evaluated") and key(r) == key(best) for r in doc["rows"]):
         return  # this choice is scored already (an earlier choice, from fewer settings, stays in the table)
     grid = Path(a.grid) / a.model
     cfg = replace(ReproduceConfig(model=a.model, calib_source="mixed"),
@@ -145,13 +153,20 @@ def evaluate(a, crit: str, layers: list[int], doc: dict, land, trainer, n: int) 
     t0 = time.perf_counter()
     calib = ctx.windows(cfg.calib_samples, cfg.seq_len, source=cfg.calib_source)
     m = corrected_copy(ctx.model, layers, calib, cfg.damping, trainer)
-    refit_kept(m, ctx.model, calib, refit_pairs(layers, n, best["k"]), best["damping"], post_norm="direction")
+    pairs = refit_pairs(layers, n, best["k"])
+    if best.get("guarded"):  # the guard's choice made again, as the main job makes it, on all the windows
+        refitted = guarded_refit(m, ctx.model, calib, pairs, best["damping"])["kept"]
+    else:
+        refit_kept(m, ctx.model, calib, pairs, best["damping"], post_norm="direction")
+        refitted = [o for _, o in pairs]
     fit_s = time.perf_counter() - t0
     res = ctx.evaluate(m, tasks=True)
     row = {"criterion": crit, "layers": layers, "k": best["k"], "damping": best["damping"], "evaluated": True,
+           "refitted": refitted, **({"guarded": True} if best.get("guarded") else {}),
            **harness.row_doc(res), "seconds": {"map_and_refit": fit_s, "evaluation": time.perf_counter() - t0 - fit_s}}
     write_json_atomic(str(Path(a.out or f"results/bench/refit_{a.model}").with_name(
-        f"refit_{a.model}_{crit}_k{best['k']}_d{best['damping']:g}_row.json")), row)  # kept before anything can fail
+        f"refit_{a.model}_{crit}_k{best['k']}_d{best['damping']:g}{'_guarded' if best.get('guarded') else ''}"
+        "_row.json")), row)  # kept before anything can fail
     joint = json.loads((grid / crit / "lra_replaceme.json").read_text())
     pruned_dir = Path(joint["config"].get("pruned_from") or a.grid) / a.model
     rows = {"original": json.loads((grid / "original.json").read_text()), "lra_replaceme": joint,
@@ -169,7 +184,9 @@ def render(doc: dict, out: Path) -> None:
     md = [f"# Re-fitting the kept blocks after the joint map: {doc['model']}", "",
           *[f"`{c}`  " for c in doc.get("commands", [doc["command"]])], "",
           f"Held-out check: map and re-fit fitted on {doc['fit_windows']} mixed calibration windows, judged on the "
-          f"{doc['judge_windows']} held out (every 4th; no evaluated doc). k = 0: the joint map alone.", "",
+          f"{doc['judge_windows']} held out (every 4th; no evaluated doc). k = 0: the joint map alone; a k beyond the "
+          "blocks after a span re-fits all of them; guarded: the main job's check (each block's re-fit kept only if "
+          "closer on a held-out quarter of the 48 fit windows).", "",
           "| criterion | k | δ | re-fitted blocks | held-out KL | vs joint map | top-1 % | seconds |",
           "|---|---:|---:|---|---:|---:|---:|---:|"]
     base = {r["criterion"]: r["kl"] for r in doc["rows"] if r["k"] == 0 and not r.get("evaluated")}
@@ -177,7 +194,9 @@ def render(doc: dict, out: Path) -> None:
         if r.get("evaluated"):
             continue
         d = "–" if r["damping"] is None else f"{r['damping']:g}"
-        md.append(f"| {r['criterion']} | {r['k']} | {d} | {r['refitted'] or '–'} | {r['kl']:.4f} | "
+        blocks = (f"{r['refitted'] or 'none'} kept of {r['tried']}" if r.get("guarded") else r["refitted"]) or "–"
+        kk = f"{r['k']} (guarded)" if r.get("guarded") else r["k"]
+        md.append(f"| {r['criterion']} | {kk} | {d} | {blocks} | {r['kl']:.4f} | "
                   f"{r['kl'] / base[r['criterion']] - 1:+.1%} | {100 * r['top1']:.1f} | {r['seconds']:.0f} |")
     ev = [r for r in doc["rows"] if r.get("evaluated")]
     if ev:
@@ -190,7 +209,8 @@ def render(doc: dict, out: Path) -> None:
             for name in ("pruned", "lra_replaceme", "refit"):
                 kl = r["kl"] if name == "refit" else r["grid_kl"][name]
                 s = r["summary"][name]
-                label = name if name != "refit" else f"joint map + re-fit (k = {r['k']}, δ = {r['damping']:g})"
+                label = name if name != "refit" else (f"joint map + re-fit (k = {r['k']}, δ = {r['damping']:g}"
+                                                      f"{', guarded: ' + str(r['refitted']) if r.get('guarded') else ''})")
                 md.append(f"| {r['criterion']} | {label} | " + " | ".join(f"{kl[x]:.3f}" for x in sets) +
                           f" | {100 * s['robust']:.1f} [{100 * s['robust_ci'][0]:.1f}, {100 * s['robust_ci'][1]:.1f}]"
                           f" | {100 * s['avg']:.2f} |")

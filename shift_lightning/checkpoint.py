@@ -35,6 +35,7 @@ from torch import nn
 
 from .arch import decoder_layers
 from .card import CardFacts, model_card
+from .keptfit import KeptFitError, kept_tensors, put_kept_tensors
 from .lra import AdapterSpec, LinearResidualAdapter
 from .peers import fold_replaceme
 from .surgery import SurgeryError, adapter_set, attach_adapters, branch_maps, remove_blocks
@@ -203,11 +204,7 @@ def save_adapters(model: nn.Module, tokenizer, out_dir: str | Path, spec: ShiftS
         tensors[f"branch.{i}.weight"] = T.T.detach().to(torch.float32).contiguous().cpu()
         after = "post_feedforward_layernorm" if hasattr(blocks[i], "post_feedforward_layernorm") else "down_proj"
         spec.branch_maps.append({"block": i, "after": after})
-    from .keptfit import GROUPS  # noqa: PLC0415
-
-    for p in spec.refit_blocks or []:  # re-fitted kept blocks: the base model's weights differ there
-        for name in (n for names in GROUPS for n in names):
-            tensors[f"kept.{p}.{name}.weight"] = blocks[p].get_submodule(name).weight.detach().contiguous().cpu()
+    tensors.update(kept_tensors(model, spec.refit_blocks or []))  # re-fitted kept blocks differ from the base
     save_file(tensors, str(out / LRA_WEIGHTS), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
@@ -339,24 +336,6 @@ def _read_weights(path: Path, spec: ShiftSpec) -> dict[str, torch.Tensor]:
     return weights
 
 
-@torch.no_grad()
-def _load_kept(model: nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
-    """Put an adapter-only folder's re-fitted kept-block weights (``kept.<position>.<layer>.weight``) in place."""
-    blocks = decoder_layers(model)
-    for key, t in weights.items():
-        if not key.startswith("kept."):
-            continue
-        p, name = key.split(".", 2)[1:]
-        try:
-            w = blocks[int(p)].get_submodule(name.removesuffix(".weight")).weight
-        except (AttributeError, IndexError) as e:
-            raise SurgeryError(f"{path / LRA_WEIGHTS}: {key} names no layer of the rebuilt model ({e})") from e
-        if w.shape != t.shape:
-            raise SurgeryError(f"{path / LRA_WEIGHTS}: {key} has shape {tuple(t.shape)}, the base model's layer "
-                               f"{tuple(w.shape)}: the folder does not belong to this base model")
-        w.copy_(t.to(w.dtype))
-
-
 def _load_shift_folder(path: Path, dtype, device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -409,7 +388,10 @@ def _load_shift_folder(path: Path, dtype, device):
             raise SurgeryError(f"{path / SHIFT_CONFIG}: MLP-branch map for block {i}, which has no post-MLP norm")
         fold_replaceme(blocks[i], weights[f"branch.{i}.weight"].to(torch.float64).T)
     if adapter_only:  # last: a re-fitted block's weights are final (a map folded into it before the re-fit)
-        _load_kept(model, weights, path)
+        try:
+            put_kept_tensors(model, {k: t for k, t in weights.items() if k.startswith("kept.")})
+        except KeptFitError as e:
+            raise SurgeryError(f"{path / LRA_WEIGHTS}: {e}") from e
     if device is not None:
         model.to(device)
     model.eval()

@@ -300,3 +300,27 @@ def guarded_refit(pruned, original, windows, pairs: list[tuple[int, int]], dampi
             blocks[p].get_submodule(n).weight.copy_(w)
     return {"heldout_kl": scores, "kept": [o for _, o in kept],
             "blocks": refit_kept(pruned, original, mine, kept, damping, reduce=reduce)}
+
+
+def kept_tensors(model, positions: list[int]) -> dict[str, torch.Tensor]:
+    """The re-fitted layers of the pruned blocks at ``positions``, keyed ``kept.<position>.<layer>.weight`` (what
+    an adapter-only folder stores besides its adapters)."""
+    blocks = decoder_layers(model)
+    return {f"kept.{p}.{n}.weight": blocks[p].get_submodule(n).weight.detach().contiguous().cpu()
+            for p in positions for names in GROUPS for n in names}
+
+
+@torch.no_grad()
+def put_kept_tensors(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Put :func:`kept_tensors`' weights in place in ``model`` (rebuilt from the base; run after any folded map)."""
+    blocks = decoder_layers(model)
+    for key, t in tensors.items():
+        p, name = key.split(".", 2)[1:]
+        try:
+            w = blocks[int(p)].get_submodule(name.removesuffix(".weight")).weight
+        except (AttributeError, IndexError, ValueError) as e:
+            raise KeptFitError(f"{key} names no layer of the rebuilt model ({e})") from e
+        if w.shape != t.shape:
+            raise KeptFitError(f"{key} has shape {tuple(t.shape)}, the base model's layer {tuple(w.shape)}: the "
+                               "folder does not belong to this base model")
+        w.copy_(t.to(w.dtype))

@@ -219,3 +219,9 @@ def test_refit_check_rows_and_table(tmp_path):
     assert [(r["k"], r["refitted"]) for r in doc["rows"]] == [(0, []), (1, [5]), (2, [5, 6])]
     assert all(r["kl"] > 0 for r in doc["rows"]) and doc["fit_windows"] == 6 and doc["judge_windows"] == 2
     assert "| given | 1 | 0.01 | [5] |" in (tmp_path / "rf.md").read_text()
+    R.main(["--model", "random:tiny", "--criteria", "given", "--layers", "3,4", "--samples", "8", "--seq_len", "32",
+            "--ks", "2", "--dampings", "1e-2", "--guarded", "--out", str(tmp_path / "rf")])  # the main job's check
+    doc = json.loads((tmp_path / "rf.json").read_text())
+    g = doc["rows"][-1]
+    assert len(doc["rows"]) == 4 and g["guarded"] and g["tried"] == [5, 6] and set(g["refitted"]) <= {5, 6}
+    assert doc["commands"][-1].endswith("--guarded") and "| given | 2 (guarded) | 0.01 |" in (tmp_path / "rf.md").read_text()

@@ -141,6 +141,13 @@ def test_adapter_only_folder_stores_the_refitted_blocks(tmp_path, monkeypatch):
     ids = tok("Round trip", return_tensors="pt").input_ids
     # block 0's map is folded again from its stored float32 copy: equal to float32 rounding, as without a re-fit
     assert_close(m(ids).logits, res.model(ids).logits, rtol=1e-5, atol=1e-6)
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(out / "lra.safetensors"))
+    w["kept.2.mlp.down_proj.weight"] = w["kept.2.mlp.down_proj.weight"][:, :-1].contiguous()
+    save_file(w, str(out / "lra.safetensors"))
+    with pytest.raises(SurgeryError, match=r"lra.safetensors: kept.2.mlp.down_proj.weight has shape \(32, 63\)"):
+        load_pretrained(out)
     spec["refit_blocks"] = [1]
     (out / "shift_config.json").write_text(json.dumps(spec))
     with pytest.raises(SurgeryError, match=r"re-fitted weights of kept blocks \[1, 2\] but .* expects \[1\]"):
