@@ -20,7 +20,9 @@ top-1 agreement, for each ``k`` and ``δ`` asked for. ``--evaluate``: the settin
 (``k`` and ``δ`` chosen there, never on evaluated docs) is re-fitted on all 64 windows, on top of the grid's own
 joint map, and scored as the grid scores a row (perplexity, KL / top-1 on every held-out set, the zero-shot
 tasks); Robust and Avg against the original, the grid's pruned row and its ``lra_replaceme`` row, paired
-bootstrap. Parameters are unchanged (the re-fitted layers replace the originals).
+bootstrap. Parameters are unchanged (the re-fitted layers replace the originals). ``--samples N`` (another
+``--out``): the held-out check on N mixed windows (3N/4 fitted, N/4 judged); ``--evaluate`` then keeps the grid's
+map (its 64 windows) and re-fits on N. ``--guarded``: the main job's per-block check inside the fit windows.
 """
 
 from __future__ import annotations
@@ -134,7 +136,8 @@ def main(argv=None):
 
 
 def evaluate(a, crit: str, layers: list[int], doc: dict, land, trainer, n: int) -> None:
-    """Score the held-out choice (re-fitted on all 64 windows, on the grid's joint map) as the grid scores a row."""
+    """Score the held-out choice (re-fitted on all ``--samples`` windows, on the grid's joint map) as the grid scores
+    a row."""
     from shift_lightning.evaluation.summary import Bootstrap
     from shift_lightning.recipes import harness
     from shift_lightning.recipes.reproduce import ReproduceConfig, eval_config
@@ -152,21 +155,23 @@ def evaluate(a, crit: str, layers: list[int], doc: dict, land, trainer, n: int) 
     ctx = harness.open_grid(cfg.model, None, "cpu", lambda v, d: eval_config(cfg, v, d), {}, cfg.text_source)
     t0 = time.perf_counter()
     calib = ctx.windows(cfg.calib_samples, cfg.seq_len, source=cfg.calib_source)
-    m = corrected_copy(ctx.model, layers, calib, cfg.damping, trainer)
+    m = corrected_copy(ctx.model, layers, calib, cfg.damping, trainer)  # the grid's map, on the grid's windows
+    # the re-fit on as many windows as the held-out check had (the grid's 64 by default)
+    more = calib if a.samples == cfg.calib_samples else ctx.windows(a.samples, cfg.seq_len, source=cfg.calib_source)
     pairs = refit_pairs(layers, n, best["k"])
     if best.get("guarded"):  # the guard's choice made again, as the main job makes it, on all the windows
-        refitted = guarded_refit(m, ctx.model, calib, pairs, best["damping"])["kept"]
+        refitted = guarded_refit(m, ctx.model, more, pairs, best["damping"])["kept"]
     else:
-        refit_kept(m, ctx.model, calib, pairs, best["damping"], post_norm="direction")
+        refit_kept(m, ctx.model, more, pairs, best["damping"], post_norm="direction")
         refitted = [o for _, o in pairs]
     fit_s = time.perf_counter() - t0
     res = ctx.evaluate(m, tasks=True)
     row = {"criterion": crit, "layers": layers, "k": best["k"], "damping": best["damping"], "evaluated": True,
-           "refitted": refitted, **({"guarded": True} if best.get("guarded") else {}),
+           "refitted": refitted, **({"guarded": True} if best.get("guarded") else {}), "refit_windows": len(more),
            **harness.row_doc(res), "seconds": {"map_and_refit": fit_s, "evaluation": time.perf_counter() - t0 - fit_s}}
     write_json_atomic(str(Path(a.out or f"results/bench/refit_{a.model}").with_name(
         f"refit_{a.model}_{crit}_k{best['k']}_d{best['damping']:g}{'_guarded' if best.get('guarded') else ''}"
-        "_row.json")), row)  # kept before anything can fail
+        f"{'_w%d' % len(more) if more is not calib else ''}_row.json")), row)  # kept before anything can fail
     joint = json.loads((grid / crit / "lra_replaceme.json").read_text())
     pruned_dir = Path(joint["config"].get("pruned_from") or a.grid) / a.model
     rows = {"original": json.loads((grid / "original.json").read_text()), "lra_replaceme": joint,
@@ -186,7 +191,7 @@ def render(doc: dict, out: Path) -> None:
           f"Held-out check: map and re-fit fitted on {doc['fit_windows']} mixed calibration windows, judged on the "
           f"{doc['judge_windows']} held out (every 4th; no evaluated doc). k = 0: the joint map alone; a k beyond the "
           "blocks after a span re-fits all of them; guarded: the main job's check (each block's re-fit kept only if "
-          "closer on a held-out quarter of the 48 fit windows).", "",
+          f"closer on a held-out quarter of the {doc['fit_windows']} fit windows).", "",
           "| criterion | k | δ | re-fitted blocks | held-out KL | vs joint map | top-1 % | seconds |",
           "|---|---:|---:|---|---:|---:|---:|---:|"]
     base = {r["criterion"]: r["kl"] for r in doc["rows"] if r["k"] == 0 and not r.get("evaluated")}
@@ -210,7 +215,8 @@ def render(doc: dict, out: Path) -> None:
                 kl = r["kl"] if name == "refit" else r["grid_kl"][name]
                 s = r["summary"][name]
                 label = name if name != "refit" else (f"joint map + re-fit (k = {r['k']}, δ = {r['damping']:g}"
-                                                      f"{', guarded: ' + str(r['refitted']) if r.get('guarded') else ''})")
+                                                      f"{', guarded: ' + str(r['refitted']) if r.get('guarded') else ''}"
+                                                      f"{', %d windows' % r['refit_windows'] if r.get('refit_windows', 64) != 64 else ''})")
                 md.append(f"| {r['criterion']} | {label} | " + " | ".join(f"{kl[x]:.3f}" for x in sets) +
                           f" | {100 * s['robust']:.1f} [{100 * s['robust_ci'][0]:.1f}, {100 * s['robust_ci'][1]:.1f}]"
                           f" | {100 * s['avg']:.2f} |")
