@@ -185,6 +185,16 @@ def evaluate(a, crit: str, layers: list[int], doc: dict, land, trainer, n: int) 
     land(row)
 
 
+def _refit_label(r: dict) -> str:
+    """An evaluated re-fit's row name: its setting, the guard's choice, and its windows when not the grid's 64."""
+    parts = [f"k = {r['k']}", f"δ = {r['damping']:g}"]
+    if r.get("guarded"):
+        parts.append(f"guarded: {r['refitted']}")
+    if r.get("refit_windows", 64) != 64:
+        parts.append(f"{r['refit_windows']} windows")
+    return f"joint map + re-fit ({', '.join(parts)})"
+
+
 def render(doc: dict, out: Path) -> None:
     md = [f"# Re-fitting the kept blocks after the joint map: {doc['model']}", "",
           *[f"`{c}`  " for c in doc.get("commands", [doc["command"]])], "",
@@ -214,9 +224,7 @@ def render(doc: dict, out: Path) -> None:
             for name in ("pruned", "lra_replaceme", "refit"):
                 kl = r["kl"] if name == "refit" else r["grid_kl"][name]
                 s = r["summary"][name]
-                label = name if name != "refit" else (f"joint map + re-fit (k = {r['k']}, δ = {r['damping']:g}"
-                                                      f"{', guarded: ' + str(r['refitted']) if r.get('guarded') else ''}"
-                                                      f"{', %d windows' % r['refit_windows'] if r.get('refit_windows', 64) != 64 else ''})")
+                label = name if name != "refit" else _refit_label(r)
                 md.append(f"| {r['criterion']} | {label} | " + " | ".join(f"{kl[x]:.3f}" for x in sets) +
                           f" | {100 * s['robust']:.1f} [{100 * s['robust_ci'][0]:.1f}, {100 * s['robust_ci'][1]:.1f}]"
                           f" | {100 * s['avg']:.2f} |")

@@ -41,6 +41,8 @@ from .fidelity import window_closeness, window_references
 #: The linear layers of a block in the order its forward runs them; each group shares one input.
 GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
           ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+#: Every re-fitted layer of a block, in that order.
+LAYERS = tuple(n for names in GROUPS for n in names)
 #: Groups that write into the residual stream (their target carries the stream's drift), and the stream tapped.
 WRITES = {1: "in", 3: "mid"}
 
@@ -153,7 +155,7 @@ def check_block(blk, where: str, post_norm: str = "refuse") -> None:
         raise KeptFitError(f"{where}: this block adds its branches to the stream through norms (Gemma3's sandwich "
                            "norms), so a re-fitted branch cannot carry the stream's drift (measured: it moves "
                            "Gemma3-270M away from the original); drop --calibration.refit_kept")
-    missing = [n for names in GROUPS for n in names if not isinstance(_get(blk, n), torch.nn.Linear)]
+    missing = [n for n in LAYERS if not isinstance(_get(blk, n), torch.nn.Linear)]
     if missing or not isinstance(_get(blk, "post_attention_layernorm"), torch.nn.Module):
         raise KeptFitError(f"{where}: the kept-block re-fit needs the Llama block layout (separate "
                            f"{', '.join(missing or ['post_attention_layernorm'])}); this block differs: drop "
@@ -284,7 +286,7 @@ def guarded_refit(pruned, original, windows, pairs: list[tuple[int, int]], dampi
     best = heldout_kl(pruned, judge, refs, reduce)
     scores, kept, saved = {"none": best}, [], {}
     for p, o in pairs:
-        before = {n: blocks[p].get_submodule(n).weight.detach().clone() for names in GROUPS for n in names}
+        before = {n: blocks[p].get_submodule(n).weight.detach().clone() for n in LAYERS}
         refit_kept(pruned, original, fit, [(p, o)], damping, reduce=reduce)
         scores[str(o)] = kl = heldout_kl(pruned, judge, refs, reduce)
         if kl < best:
@@ -307,7 +309,7 @@ def kept_tensors(model, positions: list[int]) -> dict[str, torch.Tensor]:
     an adapter-only folder stores besides its adapters)."""
     blocks = decoder_layers(model)
     return {f"kept.{p}.{n}.weight": blocks[p].get_submodule(n).weight.detach().contiguous().cpu()
-            for p in positions for names in GROUPS for n in names}
+            for p in positions for n in LAYERS}
 
 
 @torch.no_grad()
