@@ -12,7 +12,8 @@ Layout of a folder written by :func:`save_pretrained`::
                                                           config.json's ``model_type`` is then ``shift_<family>``
 
 An *adapter-only* folder (:func:`save_adapters`, ``weights: adapters``) names its base model instead
-of copying it; :func:`load_pretrained` rebuilds the pruned model from the base.
+of copying it; :func:`load_pretrained` rebuilds the pruned model from the base (ReplaceMe maps stored in float64
+as fitted and folded again: the same weights bit for bit; re-fitted kept blocks as ``kept.<position>.<layer>.*``).
 
 :func:`load_pretrained` is the one public loader: a saved folder (checked before any weight is
 read: the record must be well formed, agree with ``config.json``, list exactly the adapters the
@@ -201,7 +202,8 @@ def save_adapters(model: nn.Module, tokenizer, out_dir: str | Path, spec: ShiftS
     blocks = decoder_layers(model)
     spec.branch_maps = []
     for i, T in sorted((maps or {}).items()):
-        tensors[f"branch.{i}.weight"] = T.T.detach().to(torch.float32).contiguous().cpu()
+        # float64, as fitted: folding the stored T again gives the in-memory weights bit for bit (d² · 8 bytes)
+        tensors[f"branch.{i}.weight"] = T.T.detach().to(torch.float64).contiguous().cpu()
         after = "post_feedforward_layernorm" if hasattr(blocks[i], "post_feedforward_layernorm") else "down_proj"
         spec.branch_maps.append({"block": i, "after": after})
     tensors.update(kept_tensors(model, spec.refit_blocks or []))  # re-fitted kept blocks differ from the base
