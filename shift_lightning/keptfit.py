@@ -235,15 +235,15 @@ def refit_kept(pruned, original, windows, pairs: list[tuple[int, int]], damping:
     return report
 
 
-def refit_pairs(layers: list[int], n: int, k: int) -> list[tuple[int, int]]:
-    """``(pruned index, original index)`` of the first ``k`` kept blocks after each removed span."""
+def refit_pairs(layers: list[int], n: int, k: int | str) -> list[tuple[int, int]]:
+    """``(pruned index, original index)`` of the first ``k`` kept blocks after each removed span (``"all"``: every
+    kept block after it)."""
+    k = None if k == "all" else k
     removed = set(layers)
     keep = [i for i in range(n) if i not in removed]
     pos = {o: p for p, o in enumerate(keep)}
     ends = [i + 1 for i in sorted(removed) if i + 1 not in removed]  # each span's end (exclusive)
     return sorted({(pos[o], o) for end in ends for o in [o for o in keep if o >= end][:k]})
-
-
 
 
 def heldout_kl(model, windows, refs: dict, reduce=None) -> float:

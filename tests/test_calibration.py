@@ -421,8 +421,9 @@ def test_ddp_guard_and_cosine_and_linear_fit_match_one_process(tmp_path):
 
 
 def test_cli_print_config_and_refuses_existing_output(tmp_path):
-    r = _cli("--output_dir", str(tmp_path / "x"), "--print_config")
+    r = _cli("--output_dir", str(tmp_path / "x"), "--print_config", "--calibration.refit_kept", "2")
     assert "calibration:" in r.stdout and "damping:" in r.stdout and "trainer:" in r.stdout
+    assert "  refit_kept: 2\n" in r.stdout  # a number stays a number beside the keyword ``all``
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("precious")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -458,7 +459,7 @@ def test_ddp_kept_block_refit_matches_one_process(tmp_path):
     """``--calibration.refit_kept``: the windows are shared out over the ranks (each fitted once: the token count
     is one process's) and the statistics and scores summed, so 2 processes give what 1 gives — the held-out
     check's scores and choice, and the saved weights of every block."""
-    extra = ["--calibration.refit_kept", "2", "--prune.layers", "[1, 3]"]
+    extra = ["--calibration.refit_kept", "all", "--prune.layers", "[1, 3]"]  # every kept block after a span
     _cli("--output_dir", str(tmp_path / "one"), *extra)
     _cli("--output_dir", str(tmp_path / "two"), *extra, world=2)
     full = [json.loads((tmp_path / n / "calibration_report.json").read_text()) for n in ("one", "two")]

@@ -43,6 +43,8 @@ def test_refit_pairs_are_the_first_kept_blocks_after_each_span():
     assert refit_pairs([2, 3], 6, 1) == [(2, 4)]
     assert refit_pairs([1, 3], 6, 2) == [(1, 2), (2, 4), (3, 5)]  # a block after two spans is re-fitted once
     assert refit_pairs([4, 5], 6, 1) == []  # the span ends the model: no kept block after it
+    assert refit_pairs([1, 3], 6, "all") == [(1, 2), (2, 4), (3, 5)] == refit_pairs([1, 3], 6, 30)
+    assert refit_pairs([1, 2], 8, "all") == [(1, 3), (2, 4), (3, 5), (4, 6), (5, 7)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -107,6 +109,7 @@ def test_gemma3_blocks_are_refused_by_default_and_early_in_the_main_job(tmp_path
 
 @pytest.mark.parametrize("bad,match", [({"refit_kept": -1}, "refit_kept must be a whole number"),
                                        ({"refit_kept": True}, "refit_kept must be a whole number"),
+                                       ({"refit_kept": "every"}, "refit_kept must be .* or 'all', got 'every'"),
                                        ({"refit_damping": 0.0}, "refit_damping must be a finite number > 0")])
 def test_bad_refit_settings_fail_early(bad, match):
     with pytest.raises(ConfigError, match=match):

@@ -87,14 +87,17 @@ class CalibrationConfig:
     rows of d each: 2·4·d bytes a token, 1.2 GB at d = 576, 8.6 GB at d = 4096)."""
     seed: int = 0
     """Seed of the iterative solvers (``replaceme_cosine``'s data order)."""
-    refit_kept: int = 0
-    """Once the maps are in place, re-fit the first k kept blocks after each removed span in closed form
+    refit_kept: int | Literal["all"] = 0
+    """Once the maps are in place, re-fit the first k kept blocks after each removed span (``all``: every kept
+    block after it) in closed form
     (:mod:`shift_lightning.keptfit`): their linear layers absorb the stream's drift, each by one ridge regression
     towards its own weights on the calibration windows; block by block, a re-fit is kept only if it brings the model
     closer to the original on the held-out calibration windows (every ``guard_every``-th; KL over the original's
     top ``guard_topk``), then the kept ones are re-fitted on all windows. 0 (default): off. Llama layout only
     (Gemma3's norms between branch and stream are refused: measured to hurt). No parameters are added, but those
-    blocks' weights change, so the model is saved in full (an adapter-only save, as ``train.py``'s, is refused)."""
+    blocks' weights change: a full save holds them, an adapter-only save (``train.py``'s) stores them beside the
+    adapters. With few windows, more blocks can overfit (SmolLM2, 64 windows: 3 kept of all 11 did best; 512
+    windows: all 11, ``docs/closeness.md``); the held-out check decides per block."""
     refit_damping: float = 0.1
     """The re-fit's relative damping δ towards each layer's own weights (λ = δ · mean diag(XᵀX))."""
 
@@ -138,9 +141,10 @@ class CalibrationConfig:
         for name in ("cosine_epochs", "cosine_batch_tokens", "cosine_max_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--calibration.{name} must be >= 1, got {getattr(self, name)}")
-        if isinstance(self.refit_kept, bool) or not isinstance(self.refit_kept, int) or self.refit_kept < 0:
-            raise ConfigError(f"--calibration.refit_kept must be a whole number of blocks >= 0 (0: off), got "
-                              f"{self.refit_kept!r}")
+        if self.refit_kept != "all" and (isinstance(self.refit_kept, bool) or not isinstance(self.refit_kept, int)
+                                         or self.refit_kept < 0):
+            raise ConfigError(f"--calibration.refit_kept must be a whole number of blocks >= 0 (0: off) or 'all', "
+                              f"got {self.refit_kept!r}")
         if not (isinstance(self.refit_damping, (int, float)) and math.isfinite(self.refit_damping)
                 and self.refit_damping > 0):
             raise ConfigError(f"--calibration.refit_damping must be a finite number > 0, got {self.refit_damping}")
