@@ -319,6 +319,49 @@ def test_anchored_and_auto_rows_take_passes_of_their_own(tmp_path):
     assert "+LRA & ReplaceMe (joint), fit chosen on held-out KL" in md
 
 
+def test_refit_grid_rescores_every_map_after_the_guarded_kept_block_refit(tmp_path, monkeypatch):
+    """``--refit_kept``: each map is followed by the main job's guarded re-fit before its row is scored, and every
+    re-fitted weight is put back before the next variant. Judge scripted: the first variant's re-fit is kept (its
+    row moves off the plain grid's), the second's is undone (its row is the plain grid's exactly — it would not
+    be if the first variant's re-fitted weights had stayed). A Gemma3 model is refused before any run."""
+    import itertools
+
+    import shift_lightning.keptfit as K
+    import shift_lightning.recipes.reproduce as R
+    from shift_lightning.errors import ConfigError
+
+    variants = ["lra_replaceme", "lra"]
+    plain = R.run(_tiny_grid(tmp_path, criteria=["reverse_star"], variants=variants, out=str(tmp_path / "plain")))
+    real, calls = R.guarded_refit, []
+
+    def scripted(*a, **k):
+        calls.append(len(calls))
+        scores = itertools.count(1.0, -0.1) if len(calls) == 1 else itertools.chain([1.0], itertools.repeat(2.0))
+        monkeypatch.setattr(K, "heldout_kl", lambda *a, **k: next(scores))
+        return real(*a, **k)
+
+    monkeypatch.setattr(R, "guarded_refit", scripted)
+    folder = R.run(_tiny_grid(tmp_path, criteria=["reverse_star"], variants=variants, out=str(tmp_path / "refit"),
+                              refit_kept="all"))
+    rows = {v: json.loads((folder / "reverse_star" / f"{v}.json").read_text()) for v in variants}
+    base = {v: json.loads((plain / "reverse_star" / f"{v}.json").read_text()) for v in variants}
+    joint, lra = rows["lra_replaceme"]["refit"], rows["lra"]["refit"]
+    assert rows["lra_replaceme"]["pruned_layers"] == [5, 6] and joint["tried"] == [7] == lra["tried"]
+    assert joint["kept"] == [7] and lra["kept"] == [] and joint["k"] == "all" and joint["blocks"][0]["tokens"] > 0
+    assert rows["lra_replaceme"]["seconds"]["refit"] > 0 and "tasks_from" not in rows["lra"]
+    moved = rows["lra_replaceme"]["perplexity"], base["lra_replaceme"]["perplexity"]
+    assert all(moved[0][s]["ppl"] != pytest.approx(e["ppl"], rel=1e-6) for s, e in moved[1].items())
+    for s, e in base["lra"]["perplexity"].items():
+        assert rows["lra"]["perplexity"][s]["ppl"] == pytest.approx(e["ppl"], rel=1e-9)
+    for s, v in base["lra"]["kl"].items():
+        assert rows["lra"]["kl"][s] == pytest.approx(v, rel=1e-9, abs=1e-12)
+    with pytest.raises(ConfigError, match="through norms.*drop --refit_kept"):
+        R.run(_tiny_grid(tmp_path, tiny={"family": "gemma3", "num_hidden_layers": 8}, refit_kept=1,
+                         out=str(tmp_path / "gemma")))
+    with pytest.raises(ConfigError, match="refit_kept must be"):
+        R.run(_tiny_grid(tmp_path, refit_kept=-1, out=str(tmp_path / "bad")))
+
+
 def test_domain_comparison_of_two_grids(tmp_path):
     """The same grid calibrated on two texts: the comparison pairs the rows on the same docs."""
     from shift_lightning.recipes.domain_compare import DomainCompareConfig, render

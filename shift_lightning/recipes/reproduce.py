@@ -7,6 +7,8 @@ closeness to the original.
     python -m shift_lightning.recipes.reproduce --model smollm2-135m --criteria '[angular]' --docs 400
     python -m shift_lightning.recipes.reproduce --model smollm2-135m --fill closeness   # KL for older runs only
     python -m shift_lightning.recipes.reproduce --model smollm2-135m --render_only
+    python -m shift_lightning.recipes.reproduce --calib_source mixed --variants '[lra_replaceme]' --refit_kept 2 \
+        --out results/paper_mixed_refit --pruned_from results/paper     # + the kept-block re-fit on every map
 
 Every row is scored on the same seeded docs of the seven zero-shot tasks (lm-eval-harness prompts and
 scoring, offline data), on held-out wiki-summaries and LAMBADA-passage perplexity, and by its
@@ -19,7 +21,10 @@ rebuilt and its perplexity must match the stored one), or copied from such a cri
 (``closeness_added.copied_from``). Every criterion's blocks are cached in ``<criterion>/selection.json``. All variants of a criterion come from ONE calibration pass on the
 same windows, and share every block before the first pruning site (run once for all variants,
 :class:`~shift_lightning.evaluation.trunk.TrunkCache`; no number changes). Tables are rendered after
-each run (:mod:`~shift_lightning.recipes.tables.paper`).
+each run (:mod:`~shift_lightning.recipes.tables.paper`). With ``--refit_kept k`` every map is followed by the
+main job's guarded kept-block re-fit (:func:`~shift_lightning.keptfit.guarded_refit`, on the same calibration
+windows) before it is scored, and the run file records what the re-fit tried and kept (``refit``): a grid of its
+own (``--out``), whose rows the fidelity tables read as one more calibration setting.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -36,11 +42,13 @@ import torch
 from ..calibration import SOLVERS, CalibrationConfig, CalibrationModule
 from ..calibration.auto import coinciding_fits
 from ..calibration.solvers.ridge import LRAAuto
+from ..arch import decoder_layers
 from ..criteria import REPAIR_AWARE, PruneConfig
 from ..errors import ConfigError
 from ..evaluation.runner import EvalConfig
 from ..evaluation.tasks import DEFAULT_TASKS
 from ..evaluation.trunk import TrunkCache
+from ..keptfit import LAYERS, KeptFitError, check_block, guarded_refit, refit_pairs
 from ..models import num_params
 from ..outputs import prepare_file
 from ..selection import select_blocks
@@ -120,7 +128,13 @@ class ReproduceConfig:
     damping: float = 1e-4
     """Relative ridge damping of every fitted map."""
     guard_every: int = 4
-    """Guards: every k-th calibration window is held out to judge."""
+    """Guards (and the re-fit's check): every k-th calibration window is held out to judge."""
+    refit_kept: int | Literal["all"] = 0
+    """After every map, re-fit the first k kept blocks after each span (``all``: every one) as
+    ``--calibration.refit_kept`` does — each kept only if closer on the held-out calibration windows — before the
+    row is scored (0: off; Llama layout only). Changes every corrected row: give the grid its own ``--out``."""
+    refit_damping: float = 0.1
+    """The re-fit's relative damping towards each layer's own weights (``--calibration.refit_damping``)."""
     out: str = "results/paper"
     """Where the per-run JSON files and the rendered tables go."""
     pruned_from: str = "results/paper"
@@ -166,7 +180,8 @@ def check_config(cfg: ReproduceConfig) -> None:
     bad = [c for c in cfg.criteria if c not in CRITERIA_ORDER]
     if bad:
         raise ConfigError(f"Unknown criteria {bad}; choose from {', '.join(CRITERIA_ORDER)}")
-    CalibrationConfig(damping=cfg.damping, guard_every=cfg.guard_every).validate()
+    CalibrationConfig(damping=cfg.damping, guard_every=cfg.guard_every, refit_kept=cfg.refit_kept,
+                      refit_damping=cfg.refit_damping).validate()
     if not (isinstance(cfg.ratio, (int, float)) and 0 < cfg.ratio < 1):
         raise ConfigError(f"--ratio must be a fraction in (0, 1), got {cfg.ratio}")
     for name, least in (("calib_samples", 1), ("seq_len", 2), ("select_samples", 1), ("select_seq_len", 2),
@@ -187,6 +202,11 @@ def run(cfg: ReproduceConfig) -> Path:
         return folder
     ctx = harness.open_grid(cfg.model, cfg.tiny, cfg.device, lambda v, d: eval_config(cfg, v, d),
                             {"config": asdict(cfg), "command": rerun_command(cfg)}, cfg.text_source)
+    if cfg.refit_kept:  # the layout is the model's: refuse before any run
+        try:
+            check_block(decoder_layers(ctx.model)[0], f"--refit_kept: {cfg.model}'s blocks")
+        except KeptFitError as e:
+            raise ConfigError(str(e).replace("drop --calibration.refit_kept", "drop --refit_kept")) from e
     runs = harness.RunFolder(folder)
     if not runs.done("original") and cfg.fill != "closeness":
         t0 = time.time()
@@ -330,9 +350,13 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
     for i, variant in enumerate(order):
         name = f"{crit}/{variant}"
         correction = modules[variant].correction(variant) if variant != "pruned" else None
+        refitting = bool(cfg.refit_kept) and correction is not None
         t1 = time.time()
-        same = _same_maps(cfg, runs, crit, modules[variant], variant) if variant in new and correction is not None else None
-        with harness.corrected(model, correction, n_layers, layers):
+        same = _same_maps(cfg, runs, crit, modules[variant], variant) \
+            if variant in new and correction is not None and not refitting else None
+        refit_step = _refitted(cfg, ctx, model, layers, calib) if refitting else nullcontext()
+        with harness.corrected(model, correction, n_layers, layers), refit_step as refit:
+            t_eval = time.time()
             res = ctx.evaluate(model, cache, record=i == 0, tasks=variant in new and same is None)
             if same is not None:  # the tasks are the other run's once perplexity and closeness agree
                 same = _maps_check(res, *same)
@@ -350,13 +374,34 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
                "notes": correction.notes if correction is not None else [],
                **({"fit_choice": modules[variant].fit_choice} if correction is not None
                   and modules[variant].fit_choice is not None else {}),
-               "seconds": {"calibration_all_solvers": cal_seconds, "evaluation": time.time() - t1},
+               **({"refit": refit} if refit is not None else {}),
+               "seconds": {"calibration_all_solvers": cal_seconds, **({"refit": t_eval - t1} if refit else {}),
+                           "evaluation": time.time() - t_eval},
                "trunk_cache": {"depth": cache.depth, "hits": cache.hits, "misses": cache.misses,
                                "mb": round(cache.nbytes / 2 ** 20, 1)}}
         runs.write(name, doc)
         log.info("%s %s: avg %.2f, PPL %s, KL %s (%.0f s)", cfg.model, name, 100 * res["average"],
                  ", ".join(f"{p} {e['ppl']:.4g}" for p, e in res["perplexity"].items()),
                  ", ".join(f"{k} {v:.3f}" for k, v in res.get("kl", {}).items()), time.time() - t1)
+
+
+@contextmanager
+def _refitted(cfg: ReproduceConfig, ctx: harness.GridContext, model, layers: list[int], calib):
+    """The corrected ``model`` with its kept blocks re-fitted as ``--calibration.refit_kept`` does (guarded, on the
+    grid's calibration windows) for the length of the ``with``; yields what the re-fit tried and kept, and puts
+    every re-fitted weight back afterwards, exactly."""
+    pairs = refit_pairs(layers, ctx.num_layers, cfg.refit_kept)
+    blocks = decoder_layers(model)
+    saved = {(p, n): blocks[p].get_submodule(n).weight.detach().clone() for p, _ in pairs for n in LAYERS}
+    rep = guarded_refit(model, ctx.model, calib, pairs, cfg.refit_damping, cfg.guard_every)
+    log.info("re-fit of kept blocks %s: held-out KL %s, kept %s", [o for _, o in pairs],
+             {k: round(v, 4) for k, v in rep["heldout_kl"].items()}, rep["kept"])
+    try:
+        yield {"k": cfg.refit_kept, "damping": cfg.refit_damping, "tried": [o for _, o in pairs], **rep}
+    finally:
+        with torch.no_grad():
+            for (p, n), w in saved.items():
+                blocks[p].get_submodule(n).weight.copy_(w)
 
 
 def _twin(cfg: ReproduceConfig, module: CalibrationModule, variant: str) -> str | None:
