@@ -148,3 +148,25 @@ def test_a_refit_of_the_same_map_is_a_tie_not_closer():
     assert max(ref[s] - refit[s] for s in ref) < KL_TIE
     assert not lower_kl_everywhere(refit, ref) and not lower_kl_everywhere(ref, refit)
     assert lower_kl_everywhere({s: v - 1e-4 for s, v in ref.items()}, ref)
+
+
+def test_the_refit_grid_is_counted_as_a_line_of_its_own_and_compared_with_the_default_on_the_mixed_text(tmp_path):
+    """``mixed_refit`` (the joint map + the kept-block re-fit): its own line, labelled, whose last column compares
+    it with the default repair's rows on the mixed text (not with itself, which would say nothing)."""
+    doc = _doc("lra_replaceme", CRITERIA, CRITERIA, [], 0.7, CRITERIA, CRITERIA)
+    m = doc["models"][0]
+    m["targets"]["mixed_refit"] = {**m["targets"]["mixed"], "criteria": 2, "closer_of": 2, "harm": ["a"],
+                                   "harm_of": 2, "closer": ["a", "b"]}
+    kl = lambda v: {"kl": {"wiki": v, "tasks": v}}  # noqa: E731
+    m["rows"][0]["cells"] = {"mixed:lra_replaceme": kl(1.0), "mixed_refit:lra_replaceme": kl(0.8)}
+    m["rows"][1]["cells"] = {"mixed:lra_replaceme": kl(1.0), "mixed_refit:lra_replaceme": kl(1.0)}  # a tie
+    cfg = TargetsSummaryConfig(default="lra_replaceme")
+    plain, refit = summarize(doc, cfg)
+    assert (plain["grid"], refit["grid"]) == ("mixed", "mixed_refit") and plain["closer_than_default"] is None
+    assert refit["closer_than_default"] == [1, 2] and refit["harm"] == [1, 2]
+    assert refit["status"]["no_harm"] == NOT_MET and refit["status"]["closer"] == OPEN
+    p = tmp_path / "joint.json"
+    p.write_text(json.dumps(doc))
+    md = render(TargetsSummaryConfig(tables=[str(p)], out=str(tmp_path / "t"))).with_suffix(".md").read_text()
+    assert "| m | `lra_replaceme` + kept-block re-fit | 2 of 4 | 2 of 2 … | 1 of 2 ✗ |" in md
+    assert summarize(doc, TargetsSummaryConfig(also={})) == [plain]

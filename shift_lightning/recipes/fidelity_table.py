@@ -46,7 +46,8 @@ COLUMNS = (("wiki", "pruned", "pruned"), ("wiki", "lra", "+LRA"), ("wiki", "repl
            ("mixed", "lra_replaceme", "+LRA & ReplaceMe (joint), mixed calib."),
            ("mixed", "lra_replaceme_anchored", "+LRA & ReplaceMe (joint), anchored, mixed calib."),
            ("mixed", "lra_replaceme_auto", "+LRA & ReplaceMe (joint), fit chosen on held-out KL, mixed calib."),
-           ("mixed", "guarded_joint", "+guarded (joint), mixed calib."))
+           ("mixed", "guarded_joint", "+guarded (joint), mixed calib."),
+           ("mixed_refit", "lra_replaceme", "+LRA & ReplaceMe (joint) + kept-block re-fit, mixed calib."))
 
 
 @dataclass
@@ -54,8 +55,13 @@ class FidelityTableConfig:
     """The grids to read and the repair whose targets are counted."""
 
     models: list[str] = field(default_factory=lambda: ["smollm2-135m", "gemma3-270m"])
-    grids: dict[str, str] = field(default_factory=lambda: {"wiki": "results/paper", "mixed": "results/paper_mixed"})
-    """Calibration text → paper-grid folder (the same docs, windows and settings otherwise)."""
+    grids: dict[str, str] = field(default_factory=lambda: {"wiki": "results/paper", "mixed": "results/paper_mixed",
+                                                           "mixed_refit": "results/paper_mixed_refit"})
+    """Calibration setting → paper-grid folder (the same docs, windows and settings otherwise); ``mixed_refit``:
+    the mixed text with every map followed by the guarded kept-block re-fit (``reproduce --refit_kept``)."""
+    peer_grids: dict[str, str] = field(default_factory=lambda: {"mixed_refit": "mixed"})
+    """A grid whose ReplaceMe rows are another's (the re-fit grid runs only the repair; its maps and text are the
+    mixed grid's)."""
     criteria: list[str] = field(default_factory=lambda: ["reverse_star", "angular", "taylor", "block_influence",
                                                          "reverse", "random", "magnitude_l1", "magnitude_l2", "ppl",
                                                          "linear_fit"])
@@ -152,7 +158,8 @@ def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
                 t.update(_against_pruned(boot, named, name, p))
                 t["largest_task_drop"] = _largest_drop(run, named[p], named["original"])
                 t["avg_towards_original"] = boot.towards(name, p)
-            peers = [f"{g}:{crit}/{m}" for m in REPLACEME if f"{g}:{crit}/{m}" in named]
+            pg = cfg.peer_grids.get(g, g)
+            peers = [f"{pg}:{crit}/{m}" for m in REPLACEME if f"{pg}:{crit}/{m}" in named]
             if peers:
                 best = min(peers, key=lambda n: _mean_kl(named[n]))
                 t["replaceme"] = {"variant": best.split("/")[-1], "kl": named[best]["kl"], **boot.summary(best),

@@ -46,6 +46,10 @@ class TargetsSummaryConfig:
                                                        "results/fidelity_guarded_joint.json"])
     grid: str = "mixed"
     """The calibration text whose rows are counted (the fidelity tables' grid name)."""
+    also: dict[str, str] = field(default_factory=lambda: {"mixed_refit": "+ kept-block re-fit"})
+    """Further grids counted where a table has rows on them, each line labelled ``repair`` + this (``mixed_refit``:
+    the same maps on the same text, each followed by the guarded kept-block re-fit); compared with the default
+    repair on ``grid``."""
     robust_goal: float = 0.80
     robust_above: int = 8
     """Criteria (of all) under which the repair must beat the better ReplaceMe on Robust."""
@@ -77,15 +81,17 @@ def _falls(model: dict, grid: str, harm: list[str]) -> list[dict]:
              "avg_towards_original": by.get(c, {}).get("avg_towards_original")} for c in harm]
 
 
-def closer_than(model: dict, grid: str, repair: str, other: str) -> list[int] | None:
-    """``[k, n]``: of the ``n`` criteria where both ``repair`` and ``other`` have a row on ``grid``, the ``k``
-    where ``repair`` has the lower KL on every held-out set (None when ``repair`` is ``other``)."""
-    if repair == other:
+def closer_than(model: dict, grid: str, repair: str, other: str, other_grid: str | None = None) -> list[int] | None:
+    """``[k, n]``: of the ``n`` criteria where ``repair`` has a row on ``grid`` and ``other`` on ``other_grid``
+    (default: the same), the ``k`` where ``repair`` has the lower KL on every held-out set (None when they are one
+    and the same)."""
+    other_grid = other_grid or grid
+    if (repair, grid) == (other, other_grid):
         return None
     hits = n = 0
     for r in model["rows"]:
         cells = r.get("cells", {})
-        a, b = cells.get(f"{grid}:{repair}"), cells.get(f"{grid}:{other}")
+        a, b = cells.get(f"{grid}:{repair}"), cells.get(f"{other_grid}:{other}")
         if not (a and b and a.get("kl") and b.get("kl")):
             continue
         n += 1
@@ -94,22 +100,27 @@ def closer_than(model: dict, grid: str, repair: str, other: str) -> list[int] | 
 
 
 def summarize(doc: dict, cfg: TargetsSummaryConfig) -> list[dict]:
-    """One line per model of a fidelity table: its counts for ``cfg.grid`` and each target's status."""
+    """One line per model and grid (``cfg.grid``, then ``cfg.also``'s) of a fidelity table where it has rows: the
+    counts and each target's status."""
+    return [x for grid in (cfg.grid, *cfg.also) for x in _summarize(doc, cfg, grid)]
+
+
+def _summarize(doc: dict, cfg: TargetsSummaryConfig, grid: str) -> list[dict]:
     lines = []
     for m in doc["models"]:
-        t = m["targets"].get(cfg.grid)
+        t = m["targets"].get(grid)
         if not t or not t["criteria"]:
             continue
         total = len(m["rows"])
         b = t["best_robust"]
         rm = t["replaceme_of"]
         lines.append({
-            "model": m["model"], "repair": doc["repair"], "criteria": t["criteria"], "of": total,
+            "model": m["model"], "repair": doc["repair"], "grid": grid, "criteria": t["criteria"], "of": total,
             "closer": [len(t["closer"]), t["closer_of"]], "harm": [len(t["harm"]), t["harm_of"]],
-            "harm_criteria": t["harm"], "falls": _falls(m, cfg.grid, t["harm"]), "best_robust": b,
+            "harm_criteria": t["harm"], "falls": _falls(m, grid, t["harm"]), "best_robust": b,
             "kl_below_replaceme": [len(t["kl_below_replaceme"]), rm],
             "robust_above_replaceme": [len(t["robust_above_replaceme"]), rm],
-            "closer_than_default": closer_than(m, cfg.grid, doc["repair"], cfg.default),
+            "closer_than_default": closer_than(m, grid, doc["repair"], cfg.default, cfg.grid),
             "status": {
                 "closer": _all_of(len(t["closer"]), t["closer_of"], total),
                 "no_harm": _all_of(t["harm_of"] - len(t["harm"]), t["harm_of"], total),
@@ -138,7 +149,7 @@ def markdown(lines: list[dict], cfg: TargetsSummaryConfig) -> str:
            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for x in lines:
         s, b = x["status"], x["best_robust"]
-        out.append(f"| {x['model']} | `{x['repair']}` | {x['criteria']} of {x['of']} | "
+        out.append(f"| {x['model']} | {_repair(x, cfg)} | {x['criteria']} of {x['of']} | "
                    f"{x['closer'][0]} of {x['closer'][1]}{_mark(s['closer'])} | "
                    f"{x['harm'][0]} of {x['harm'][1]}{_mark(s['no_harm'])} | "
                    f"{fmt_ci(b['robust'], b['robust_ci'])} ({b['criterion']}){_mark(s['robust'])} | "
@@ -152,8 +163,12 @@ def markdown(lines: list[dict], cfg: TargetsSummaryConfig) -> str:
                 "split into the part that moves each task back towards the original's accuracy, no further than "
                 "it, and the rest):", ""]
         for x in falls:
-            out.append(f"- {x['model']} `{x['repair']}`: " + "; ".join(_fall(f) for f in x["falls"]))
+            out.append(f"- {x['model']} {_repair(x, cfg)}: " + "; ".join(_fall(f) for f in x["falls"]))
     return "\n".join(out) + "\n"
+
+
+def _repair(x: dict, cfg: TargetsSummaryConfig) -> str:
+    return f"`{x['repair']}`" + (f" {cfg.also[x['grid']]}" if x.get("grid") in cfg.also else "")
 
 
 def _count(kn: list[int] | None) -> str:
