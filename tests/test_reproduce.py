@@ -323,7 +323,8 @@ def test_refit_grid_rescores_every_map_after_the_guarded_kept_block_refit(tmp_pa
     """``--refit_kept``: each map is followed by the main job's guarded re-fit before its row is scored, and every
     re-fitted weight is put back before the next variant. Judge scripted: the first variant's re-fit is kept (its
     row moves off the plain grid's), the second's is undone (its row is the plain grid's exactly — it would not
-    be if the first variant's re-fitted weights had stayed). A Gemma3 model is refused before any run."""
+    be if the first variant's re-fitted weights had stayed), so with ``--refit_of`` the plain grid its zero-shot
+    outcomes are taken from the plain row once perplexity and KL agree. A Gemma3 model is refused before any run."""
     import itertools
 
     import shift_lightning.keptfit as K
@@ -342,13 +343,15 @@ def test_refit_grid_rescores_every_map_after_the_guarded_kept_block_refit(tmp_pa
 
     monkeypatch.setattr(R, "guarded_refit", scripted)
     folder = R.run(_tiny_grid(tmp_path, criteria=["reverse_star"], variants=variants, out=str(tmp_path / "refit"),
-                              refit_kept="all"))
+                              refit_kept="all", refit_of=str(tmp_path / "plain")))
     rows = {v: json.loads((folder / "reverse_star" / f"{v}.json").read_text()) for v in variants}
     base = {v: json.loads((plain / "reverse_star" / f"{v}.json").read_text()) for v in variants}
     joint, lra = rows["lra_replaceme"]["refit"], rows["lra"]["refit"]
     assert rows["lra_replaceme"]["pruned_layers"] == [5, 6] and joint["tried"] == [7] == lra["tried"]
     assert joint["kept"] == [7] and lra["kept"] == [] and joint["k"] == "all" and joint["blocks"][0]["tokens"] > 0
-    assert rows["lra_replaceme"]["seconds"]["refit"] > 0 and "tasks_from" not in rows["lra"]
+    assert rows["lra_replaceme"]["seconds"]["refit"] > 0 and "tasks_from" not in rows["lra_replaceme"]
+    assert rows["lra"]["tasks_from"] == f"{tmp_path / 'plain'}/reverse_star/lra"
+    assert rows["lra"]["maps_check"]["max_rel_diff"] <= 1e-4 and rows["lra"]["tasks"] == base["lra"]["tasks"]
     moved = rows["lra_replaceme"]["perplexity"], base["lra_replaceme"]["perplexity"]
     assert all(moved[0][s]["ppl"] != pytest.approx(e["ppl"], rel=1e-6) for s, e in moved[1].items())
     for s, e in base["lra"]["perplexity"].items():

@@ -135,6 +135,10 @@ class ReproduceConfig:
     row is scored (0: off; Llama layout only). Changes every corrected row: give the grid its own ``--out``."""
     refit_damping: float = 0.1
     """The re-fit's relative damping towards each layer's own weights (``--calibration.refit_damping``)."""
+    refit_of: str | None = None
+    """The same grid without the re-fit (e.g. ``results/paper_mixed``): where the re-fit kept no block the maps are
+    that grid's, so its row's zero-shot outcomes are taken once this run's perplexity and KL match it (as a
+    guard's twin's are)."""
     out: str = "results/paper"
     """Where the per-run JSON files and the rendered tables go."""
     pruned_from: str = "results/paper"
@@ -240,7 +244,7 @@ def run(cfg: ReproduceConfig) -> Path:
 
 
 #: Config keys that do not change a run's numbers (which criteria / variants a process was asked for).
-_RUN_INDEPENDENT = ("criteria", "variants", "fill", "render_only", "out", "n_boot", "reuse", "pruned_from")
+_RUN_INDEPENDENT = ("criteria", "variants", "fill", "render_only", "out", "n_boot", "reuse", "pruned_from", "refit_of")
 
 
 def _same_settings(cfg: ReproduceConfig, doc: dict) -> bool:
@@ -356,6 +360,8 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
             if variant in new and correction is not None and not refitting else None
         refit_step = _refitted(cfg, ctx, model, layers, calib) if refitting else nullcontext()
         with harness.corrected(model, correction, n_layers, layers), refit_step as refit:
+            if refit is not None and not refit["kept"] and variant in new:
+                same = _unrefitted(cfg, crit, variant)
             t_eval = time.time()
             res = ctx.evaluate(model, cache, record=i == 0, tasks=variant in new and same is None)
             if same is not None:  # the tasks are the other run's once perplexity and closeness agree
@@ -403,6 +409,23 @@ def _refitted(cfg: ReproduceConfig, ctx: harness.GridContext, model, layers: lis
         with torch.no_grad():
             for (p, n), w in saved.items():
                 blocks[p].get_submodule(n).weight.copy_(w)
+
+
+def _unrefitted(cfg: ReproduceConfig, crit: str, variant: str):
+    """``(name, doc)`` of ``variant``'s finished run in ``cfg.refit_of`` (the grid without the re-fit) made with
+    this grid's other settings, if any: a re-fit that kept no block leaves that run's maps."""
+    if not cfg.refit_of:
+        return None
+    runs = harness.RunFolder(Path(cfg.refit_of) / harness.model_key(cfg.model))
+    name = f"{crit}/{variant}"
+    if not runs.done(name):
+        return None
+    doc = runs.read(name)
+    if doc.get("tasks_from") and runs.done(doc["tasks_from"]):  # the run that evaluated them
+        name, doc = doc["tasks_from"], runs.read(doc["tasks_from"])
+    plain = replace(cfg, refit_kept=0, refit_damping=ReproduceConfig.refit_damping)
+    ok = _same_settings(plain, doc) and "fidelity" in doc and not doc.get("tasks_from")
+    return (f"{cfg.refit_of}/{name}", doc) if ok else None
 
 
 def _twin(cfg: ReproduceConfig, module: CalibrationModule, variant: str) -> str | None:
