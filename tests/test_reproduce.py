@@ -352,6 +352,9 @@ def test_refit_grid_rescores_every_map_after_the_guarded_kept_block_refit(tmp_pa
     assert rows["lra_replaceme"]["seconds"]["refit"] > 0 and "tasks_from" not in rows["lra_replaceme"]
     assert rows["lra"]["tasks_from"] == f"{tmp_path / 'plain'}/reverse_star/lra"
     assert rows["lra"]["maps_check"]["max_rel_diff"] <= 1e-4 and rows["lra"]["tasks"] == base["lra"]["tasks"]
+    md = (tmp_path / "refit" / "tiny.md").read_text()
+    assert "--refit_kept all --refit_damping 0.1`" in md
+    assert "Kept of tried: reverse_star/lra none of 7 (k = all, δ = 0.1); reverse_star/lra_replaceme 7 of 7" in md
     moved = rows["lra_replaceme"]["perplexity"], base["lra_replaceme"]["perplexity"]
     assert all(moved[0][s]["ppl"] != pytest.approx(e["ppl"], rel=1e-6) for s, e in moved[1].items())
     for s, e in base["lra"]["perplexity"].items():

@@ -57,6 +57,7 @@ class RobustVsKLConfig:
     grids: dict[str, str] = field(default_factory=lambda: {"wiki": "results/paper", "mixed": "results/paper_mixed"})
     """Calibration text → paper-grid folder (rows scored on the same docs)."""
     checks: dict[str, str] = field(default_factory=lambda: {"10 %": "results/paper_r10",
+                                                              "kept-block re-fit, mixed text": "results/paper_mixed_refit",
                                                               "fine-tuned": "results/recovery",
                                                               "fine-tuned, 200 steps": "results/recovery_kd200",
                                                               "fine-tuned, 200 steps, mixed text": "results/recovery_kd200_mixed",

@@ -135,9 +135,18 @@ def render(folder: Path, criteria: list[str], variants: list[str], ratio: float,
                            for c in criteria if (folder / c / "selection.json").exists()},
             "calib_text": sorted({_calib_text(r["config"]) for k, r in made.items() if k[1] != "pruned"}),
             "pruned_from": {"grid": os.path.relpath(pruned_from), "criteria": borrowed} if borrowed else None}
+    refitted = {k: r for k, r in made.items() if "refit" in r}
+    one = len({v for _, v in refitted}) == 1  # named by criterion alone when the grid re-fits one variant
+    refit = {c if one else f"{c}/{v}": {k: r["refit"][k] for k in ("k", "damping", "tried", "kept")}
+             for (c, v), r in refitted.items()}
+    if refit:  # a re-fit grid (reproduce --refit_kept)
+        info["refit"] = refit
     # The grid's own command is the original's; a grid whose maps were fitted on another text names it.
     if info["calib_text"] and info["calib_text"] != [_calib_text(orig["config"])] and info["command"]:
         info["command"] += f" --calib_source {','.join(info['calib_text'])} --out {os.path.relpath(folder.parent)}"
+    if refit and info["command"]:
+        first = next(iter(info["refit"].values()))
+        info["command"] += f" --refit_kept {first['k']} --refit_damping {first['damping']:g}"
     write_json_atomic(folder.with_suffix(".json"), {"info": info, "rows": rows})
     write_text_atomic(folder.with_suffix(".md"), markdown(rows, info, criteria, variants))
     try:
@@ -191,6 +200,12 @@ def markdown(rows: list[dict], info: dict, criteria: list[str], variants: list[s
                 gain = f"{100 * d['avg_diff']:+.1f} [{100 * d['avg_diff_ci'][0]:+.1f}, {100 * d['avg_diff_ci'][1]:+.1f}]"
             lines.append(f"| {crit} | {LABELS[v]} | {blocks_label(layers)} | " + " | ".join(cells(r)) + f" | {gain} | "
                          + " | ".join(fmt_ppl(r["ppl"][p]) for p in ppl_sets) + " |")
+    if info.get("refit"):
+        lines += ["", "Every map is followed by the guarded kept-block re-fit (`--refit_kept`: the first k kept blocks "
+                  "after each span re-fitted in closed form, each kept only if closer to the original on every "
+                  f"{c.get('guard_every', 4)}th calibration window; `shift_lightning/keptfit.py`). Kept of tried: "
+                  + "; ".join(f"{crit} {', '.join(map(str, x['kept'])) or 'none'} of {', '.join(map(str, x['tried']))}"
+                              f" (k = {x['k']}, δ = {x['damping']:g})" for crit, x in info["refit"].items()) + "."]
     if info.get("pruned_from"):
         lines += ["", f"Pruned rows ({', '.join(info['pruned_from']['criteria'])}): from `{info['pruned_from']['grid']}/`"
                   " (pruning alone does not depend on the calibration text; the same docs and blocks)."]
