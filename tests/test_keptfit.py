@@ -234,7 +234,8 @@ def test_train_job_recovers_from_a_refitted_calibration(tmp_path, monkeypatch):
     scores = iter([1.0, 0.5])
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, val_check_interval=2, check_val_every_n_epoch=None,
                         inference_mode=False, use_distributed_sampler=False, num_sanity_val_steps=0,
-                        enable_progress_bar=False, enable_model_summary=False, logger=False)
+                        enable_progress_bar=False, enable_model_summary=False, logger=False,
+                        default_root_dir=str(tmp_path))  # its checkpoints under tmp_path, not the working directory
     rep = run_training(trainer, **kw, train_data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48, batch_size=4),
                        val=TextDataConfig(source=HELDOUT, num_samples=2, seq_len=48),
                        recovery=RecoveryConfig(method="lora", lora_r=4, lr=2e-3), output_dir=str(tmp_path / "job"))
