@@ -136,8 +136,13 @@ def back_towards(change, gap):
     return np.clip(change, np.minimum(gap, 0.0), np.maximum(gap, 0.0))
 
 
+#: A bound closer to 0 than this is 0: differences of means of 0/1 outcomes that are exactly 0 come out of float
+#: sums as ±1e-16, which would make an interval that touches 0 read as lying below (or above) it.
+ZERO = 1e-12
+
+
 def _ci(samples: np.ndarray) -> list[float]:
     s = samples[np.isfinite(samples)]
     if s.size == 0:
         return [float("nan"), float("nan")]
-    return [float(np.quantile(s, 0.025)), float(np.quantile(s, 0.975))]
+    return [0.0 if abs(b) < ZERO else b for b in (float(np.quantile(s, 0.025)), float(np.quantile(s, 0.975)))]
