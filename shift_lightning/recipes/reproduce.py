@@ -399,11 +399,12 @@ def _refitted(cfg: ReproduceConfig, ctx: harness.GridContext, model, layers: lis
     pairs = refit_pairs(layers, ctx.num_layers, cfg.refit_kept)
     blocks = decoder_layers(model)
     saved = {(p, n): blocks[p].get_submodule(n).weight.detach().clone() for p, _ in pairs for n in LAYERS}
-    rep = guarded_refit(model, ctx.model, calib, pairs, cfg.refit_damping, cfg.guard_every, progress=lambda o, kl, keep:
-                        log.info("kept block %d re-fitted: held-out KL %.4f, %s", o, kl, "kept" if keep else "undone"))
-    log.info("re-fit of kept blocks %s: held-out KL %s, kept %s", [o for _, o in pairs],
-             {k: round(v, 4) for k, v in rep["heldout_kl"].items()}, rep["kept"])
     try:
+        rep = guarded_refit(model, ctx.model, calib, pairs, cfg.refit_damping, cfg.guard_every,
+                            progress=lambda o, kl, keep: log.info("kept block %d re-fitted: held-out KL %.4f, %s", o,
+                                                                  kl, "kept" if keep else "undone"))
+        log.info("re-fit of kept blocks %s: held-out KL %s, kept %s", [o for _, o in pairs],
+                 {k: round(v, 4) for k, v in rep["heldout_kl"].items()}, rep["kept"])
         yield {"k": cfg.refit_kept, "damping": cfg.refit_damping, "tried": [o for _, o in pairs], **rep}
     finally:
         with torch.no_grad():
