@@ -324,7 +324,8 @@ def test_refit_grid_rescores_every_map_after_the_guarded_kept_block_refit(tmp_pa
     re-fitted weight is put back before the next variant. Judge scripted: the first variant's re-fit is kept (its
     row moves off the plain grid's), the second's is undone (its row is the plain grid's exactly — it would not
     be if the first variant's re-fitted weights had stayed), so with ``--refit_of`` the plain grid its zero-shot
-    outcomes are taken from the plain row once perplexity and KL agree. A Gemma3 model is refused before any run."""
+    outcomes are taken from the plain row once perplexity and KL agree. A Gemma3 model is refused before any run.
+    The re-fit grid takes the plain grid's original row (``--original_from``), refused if scored otherwise."""
     import itertools
 
     import shift_lightning.keptfit as K
@@ -343,7 +344,9 @@ def test_refit_grid_rescores_every_map_after_the_guarded_kept_block_refit(tmp_pa
 
     monkeypatch.setattr(R, "guarded_refit", scripted)
     folder = R.run(_tiny_grid(tmp_path, criteria=["reverse_star"], variants=variants, out=str(tmp_path / "refit"),
-                              refit_kept="all", refit_of=str(tmp_path / "plain")))
+                              refit_kept="all", refit_of=str(tmp_path / "plain"), original_from=str(plain.parent)))
+    orig, plain_orig = (json.loads((f / "original.json").read_text()) for f in (folder, plain))
+    assert orig.pop("copied_from") == str(plain / "original.json") and orig == plain_orig
     rows = {v: json.loads((folder / "reverse_star" / f"{v}.json").read_text()) for v in variants}
     base = {v: json.loads((plain / "reverse_star" / f"{v}.json").read_text()) for v in variants}
     joint, lra = rows["lra_replaceme"]["refit"], rows["lra"]["refit"]
@@ -366,6 +369,11 @@ def test_refit_grid_rescores_every_map_after_the_guarded_kept_block_refit(tmp_pa
                          out=str(tmp_path / "gemma")))
     with pytest.raises(ConfigError, match="refit_kept must be"):
         R.run(_tiny_grid(tmp_path, refit_kept=-1, out=str(tmp_path / "bad")))
+    # --original_from: refused before any model is loaded when the original was scored otherwise, or is not there
+    with pytest.raises(ConfigError, match=r"scored with other settings \(docs 4 there, 3 here\)"):
+        R.run(_tiny_grid(tmp_path, docs=3, original_from=str(plain.parent), out=str(tmp_path / "other")))
+    with pytest.raises(ConfigError, match="no original row at .*drop --original_from"):
+        R.run(_tiny_grid(tmp_path, original_from=str(tmp_path / "nowhere"), out=str(tmp_path / "other")))
 
 
 def test_domain_comparison_of_two_grids(tmp_path):

@@ -8,7 +8,8 @@ closeness to the original.
     python -m shift_lightning.recipes.reproduce --model smollm2-135m --fill closeness   # KL for older runs only
     python -m shift_lightning.recipes.reproduce --model smollm2-135m --render_only
     python -m shift_lightning.recipes.reproduce --calib_source mixed --variants '[lra_replaceme]' --refit_kept 2 \
-        --out results/paper_mixed_refit --pruned_from results/paper     # + the kept-block re-fit on every map
+        --out results/paper_mixed_refit --pruned_from results/paper --original_from results/paper_mixed \
+        --refit_of results/paper_mixed                                  # + the kept-block re-fit on every map
 
 Every row is scored on the same seeded docs of the seven zero-shot tasks (lm-eval-harness prompts and
 scoring, offline data), on held-out wiki-summaries and LAMBADA-passage perplexity, and by its
@@ -141,6 +142,11 @@ class ReproduceConfig:
     guard's twin's are)."""
     out: str = "results/paper"
     """Where the per-run JSON files and the rendered tables go."""
+    original_from: str | None = None
+    """A grid (same model) whose finished original row this one takes instead of scoring the original again
+    (``copied_from`` names it), e.g. ``results/paper_mixed`` for its re-fit grid: the original does not depend on
+    the maps' settings. Refused before any run unless it was scored on the same docs, windows and closeness
+    settings (:data:`ORIGINAL_KEYS`)."""
     pruned_from: str = "results/paper"
     """The grid (same model) whose pruned rows this one's tables show where it ran none, e.g. a grid
     refitted on ``--calib_source mixed``: pruning alone does not depend on the calibration text."""
@@ -160,7 +166,8 @@ class ReproduceConfig:
 def rerun_command(cfg: ReproduceConfig) -> str:
     from .cli import rerun_command as command
 
-    return command("shift_lightning.recipes.reproduce", cfg, skip=("out", "render_only", "grid", "fill", "pruned_from"))
+    return command("shift_lightning.recipes.reproduce", cfg, skip=("out", "render_only", "grid", "fill", "pruned_from",
+                                                                   "original_from"))
 
 
 def eval_config(cfg: ReproduceConfig, vocab: int, device: torch.device | None = None, docs: int | None = None
@@ -204,6 +211,9 @@ def run(cfg: ReproduceConfig) -> Path:
     if cfg.render_only:
         render(folder, cfg)
         return folder
+    runs = harness.RunFolder(folder)
+    if cfg.original_from and not runs.done("original"):
+        _copy_original(cfg, runs)
     ctx = harness.open_grid(cfg.model, cfg.tiny, cfg.device, lambda v, d: eval_config(cfg, v, d),
                             {"config": asdict(cfg), "command": rerun_command(cfg)}, cfg.text_source)
     if cfg.refit_kept:  # the layout is the model's: refuse before any run
@@ -211,7 +221,6 @@ def run(cfg: ReproduceConfig) -> Path:
             check_block(decoder_layers(ctx.model)[0], f"--refit_kept: {cfg.model}'s blocks")
         except KeptFitError as e:
             raise ConfigError(str(e).replace("drop --calibration.refit_kept", "drop --refit_kept")) from e
-    runs = harness.RunFolder(folder)
     if not runs.done("original") and cfg.fill != "closeness":
         t0 = time.time()
         res = ctx.evaluate(ctx.model)
@@ -244,21 +253,43 @@ def run(cfg: ReproduceConfig) -> Path:
 
 
 #: Config keys that do not change a run's numbers (which criteria / variants a process was asked for).
-_RUN_INDEPENDENT = ("criteria", "variants", "fill", "render_only", "out", "n_boot", "reuse", "pruned_from", "refit_of")
+_RUN_INDEPENDENT = ("criteria", "variants", "fill", "render_only", "out", "n_boot", "reuse", "pruned_from", "refit_of",
+                    "original_from")
+#: The settings the original's row depends on: what it is scored on (the maps' settings never touch it).
+ORIGINAL_KEYS = ("model", "tiny", "text_source", "eval_data_dir", "ppl_sets", "seq_len", "docs", "sample_seed",
+                 "ppl_windows", "kl", "kl_docs", "kl_topk")
+
+
+def _settings_diff(cfg: ReproduceConfig, doc: dict, keys=None) -> dict:
+    """``{key: (doc's, cfg's)}`` for each setting (of ``keys``; default every one a run's numbers depend on) that
+    ``doc`` was made with otherwise. A run older than a setting has that setting's default (every setting was added
+    with a default that keeps the old behaviour), closeness added later has the settings it was measured with
+    (``closeness_added``), and the device is the one it ran on (CPU and GPU runs agree: ``results/device_check/``)."""
+    theirs = {**asdict(ReproduceConfig()), **(doc.get("closeness_added") or {}).get("eval", {}),
+              **(doc.get("config") or {})}
+    keys = [k for k in (keys or asdict(cfg)) if k not in _RUN_INDEPENDENT and k != "device"]
+    return {k: (theirs.get(k), getattr(cfg, k)) for k in keys if theirs.get(k) != getattr(cfg, k)}
 
 
 def _same_settings(cfg: ReproduceConfig, doc: dict) -> bool:
-    """Whether ``doc`` was made with ``cfg``'s settings. A run older than a setting has that setting's
-    default (every setting was added with a default that keeps the old behaviour), closeness added later
-    has the settings it was measured with (``closeness_added``), and the device is the one it ran on (CPU
-    and GPU runs agree: ``results/device_check/``)."""
-    mine = {k: v for k, v in asdict(cfg).items() if k not in _RUN_INDEPENDENT}
-    theirs = {**asdict(ReproduceConfig()), **(doc.get("closeness_added") or {}).get("eval", {}),
-              **(doc.get("config") or {})}
-    theirs = {k: v for k, v in theirs.items() if k not in _RUN_INDEPENDENT}
-    for d in (mine, theirs):
-        d.pop("device", None)
-    return mine == theirs
+    """Whether ``doc`` was made with ``cfg``'s settings (:func:`_settings_diff`)."""
+    return not _settings_diff(cfg, doc)
+
+
+def _copy_original(cfg: ReproduceConfig, runs: harness.RunFolder) -> None:
+    """Take ``cfg.original_from``'s original row (``--original_from``), or say why it cannot be taken."""
+    src = harness.RunFolder(Path(cfg.original_from) / harness.model_key(cfg.model))
+    if not src.done("original"):
+        raise ConfigError(f"--original_from {cfg.original_from}: no original row at {src.path('original')}; run "
+                          "that grid first, or drop --original_from to score the original here")
+    doc = src.read("original")
+    diff = _settings_diff(cfg, doc, ORIGINAL_KEYS)
+    if diff:
+        raise ConfigError(f"--original_from {cfg.original_from}: its original was scored with other settings ("
+                          + ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in diff.items())
+                          + "); drop --original_from to score the original here")
+    runs.write("original", {**doc, "copied_from": doc.get("copied_from", str(src.path("original")))})
+    log.info("%s original: taken from %s", cfg.model, src.path("original"))
 
 
 def _same_blocks(runs: harness.RunFolder, crit: str, layers: list[int], variant: str):
