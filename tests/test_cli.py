@@ -132,6 +132,26 @@ def test_every_boolean_option_works_as_a_bare_flag(name):
         assert parser.parse_args(cli.preprocess_argv([*base, flag, "false"], parser))[key] is False, flag
 
 
+def test_a_recorded_command_pastes_into_a_shell_and_parses_back_to_the_same_grid():
+    """A grid run records the command that makes it again: lists (JSON) and values with spaces are shell-quoted,
+    so pasting it gives the same settings (where the files go is not part of it)."""
+    import dataclasses
+    import shlex
+
+    from shift_lightning.recipes.reproduce import ReproduceConfig, rerun_command
+
+    cfg = ReproduceConfig(model="smollm2-135m", calib_source="mixed", criteria=["ppl", "angular"],
+                          variants=["lra_replaceme"], refit_kept=2, refit_of="results/paper mixed", ratio=0.375)
+    cmd = rerun_command(cfg)
+    assert "--criteria '[\"ppl\", \"angular\"]'" in cmd and "--refit_of 'results/paper mixed'" in cmd
+    argv = shlex.split(cmd)
+    assert argv[:3] == ["python", "-m", "shift_lightning.recipes.reproduce"]
+    p = _parsers()["reproduce"]()
+    init = p.instantiate_classes(p.parse_args(cli.preprocess_argv(argv[3:], p)))
+    again = ReproduceConfig(**{f.name: init[f.name] for f in dataclasses.fields(ReproduceConfig)})
+    assert again == cfg
+
+
 @pytest.mark.parametrize("name,expect", [
     ("calibrate", ["Relative ridge damping", "Fraction of blocks to remove", "{independent,sequential,anchored,auto}"]),
     ("evaluate", ["Tokens per perplexity window", "Evaluate only N docs per task"]),

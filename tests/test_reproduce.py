@@ -163,7 +163,7 @@ def test_recovery_table_starts_from_the_chosen_repair_and_trains_on_the_chosen_t
     run(RecoveryTableConfig(**{**common, "runs": ["lra_trained_lora_kd"]}, repair="lra_span", out=str(span),
                             train_source=str(ROOT / "tests" / "data" / "tiny_heldout.txt")))
     md = (span / "recovery.md").read_text()
-    assert "Commands (one process each)" in md and '--runs ["lra_lora_kd"]' in md and '--runs ["lra_trained_lora_kd"]' in md
+    assert "Commands (one process each)" in md and "--runs '[\"lra_lora_kd\"]'" in md and "--runs '[\"lra_trained_lora_kd\"]'" in md
     trained = json.loads((span / "reverse_star" / "lra_trained_lora_kd.json").read_text())  # the span LRA trained too
     assert trained["recovery"]["train_lra"] and trained["recovery"]["loss"] == "kd"
     assert trained["trainable_params"] > doc["trainable_params"] and "lra_span (trained)" in trained["label"]
@@ -356,7 +356,7 @@ def test_refit_grid_rescores_every_map_after_the_guarded_kept_block_refit(tmp_pa
     assert rows["lra"]["tasks_from"] == f"{tmp_path / 'plain'}/reverse_star/lra"
     assert rows["lra"]["maps_check"]["max_rel_diff"] <= 1e-4 and rows["lra"]["tasks"] == base["lra"]["tasks"]
     md = (tmp_path / "refit" / "tiny.md").read_text()
-    assert "--refit_kept all --refit_damping 0.1`" in md
+    assert """--variants '["lra_replaceme", "lra"]' --refit_kept all --refit_damping 0.1`""" in md
     assert "Kept of tried: reverse_star/lra none of 7 (k = all, δ = 0.1); reverse_star/lra_replaceme 7 of 7" in md
     moved = rows["lra_replaceme"]["perplexity"], base["lra_replaceme"]["perplexity"]
     assert all(moved[0][s]["ppl"] != pytest.approx(e["ppl"], rel=1e-6) for s, e in moved[1].items())

@@ -421,9 +421,11 @@ def rerun_command(module: str, cfg, always: tuple[str, ...] = ("model",),
     """The command that reproduces ``cfg``: the options that differ from the defaults (plus
     ``always``); where the files went is not part of the result. A nested settings dataclass (a recipe's
     ``grid``) gives its own differing options as ``--grid.<option>`` (its ``out`` too: there it is where
-    the recipe reads the grid's rows)."""
+    the recipe reads the grid's rows). Values are shell-quoted (a list is JSON in single quotes), so the command
+    pastes into a shell and parses back to the same settings."""
     import dataclasses
     import json
+    import shlex
 
     def options(obj, default, prefix: str, skipped: tuple[str, ...]) -> list[str]:
         out = []
@@ -434,7 +436,7 @@ def rerun_command(module: str, cfg, always: tuple[str, ...] = ("model",),
             if dataclasses.is_dataclass(v) and not isinstance(v, type):
                 out += options(v, d if type(d) is type(v) else type(v)(), f"{prefix}{f.name}.", ("render_only", "fill"))
             elif v != d or (not prefix and f.name in always):
-                out.append(f"--{prefix}{f.name} {v if isinstance(v, str) else json.dumps(v)}")
+                out.append(f"--{prefix}{f.name} {shlex.quote(v if isinstance(v, str) else json.dumps(v))}")
         return out
 
     return " ".join([f"python -m {module}", *options(cfg, type(cfg)(), "", skip)])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 from pathlib import Path
 
 from ...calibration import SOLVERS
@@ -144,9 +145,11 @@ def render(folder: Path, criteria: list[str], variants: list[str], ratio: float,
     # The grid's own command is the original's; a grid whose maps were fitted on another text names it.
     if info["calib_text"] and info["calib_text"] != [_calib_text(orig["config"])] and info["command"]:
         info["command"] += f" --calib_source {','.join(info['calib_text'])} --out {os.path.relpath(folder.parent)}"
-    if refit and info["command"]:
+    if refit and info["command"]:  # the variants it re-fitted: the default ones would re-fit all nine
         first = next(iter(info["refit"].values()))
-        info["command"] += f" --refit_kept {first['k']} --refit_damping {first['damping']:g}"
+        fitted = sorted({v for _, v in refitted}, key=lambda v: (variants.index(v) if v in variants else len(variants), v))
+        info["command"] += (f" --variants {shlex.quote(json.dumps(fitted))} --refit_kept {first['k']}"
+                            f" --refit_damping {first['damping']:g}")
     write_json_atomic(folder.with_suffix(".json"), {"info": info, "rows": rows})
     write_text_atomic(folder.with_suffix(".md"), markdown(rows, info, criteria, variants))
     try:
