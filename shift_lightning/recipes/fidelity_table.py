@@ -252,7 +252,7 @@ def markdown(docs: list[dict], cfg: FidelityTableConfig) -> str:
         lines += ["", f"Targets for the repair `{cfg.repair}`, per calibration text:", ""]
         for g, t in doc["targets"].items():
             if not t["criteria"]:
-                lines.append(f"- **{g}**: no runs yet.")
+                lines.append(f"- **{g}**: no `{cfg.repair}` runs of this model in `{cfg.grids[g]}`.")
                 continue
             by = {r["criterion"]: r["targets"][g] for r in doc["rows"] if g in r["targets"]}
             harm = [f"{c}: Avg {fmt_diff(by[c]['vs_pruned'], 'avg')}, Robust {fmt_diff(by[c]['vs_pruned'], 'robust')}"
