@@ -378,7 +378,7 @@ def test_refit_grid_rescores_every_map_after_the_guarded_kept_block_refit(tmp_pa
 
 def test_domain_comparison_of_two_grids(tmp_path):
     """The same grid calibrated on two texts: the comparison pairs the rows on the same docs."""
-    from shift_lightning.recipes.domain_compare import DomainCompareConfig, render
+    from shift_lightning.recipes.domain_compare import DomainCompareConfig, compare, render
     from shift_lightning.recipes.reproduce import run
 
     kw = dict(criteria=["reverse_star"], variants=["pruned", "lra", "guarded", "guarded_span", "replaceme"], calib_samples=8)
@@ -406,6 +406,22 @@ def test_domain_comparison_of_two_grids(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "| reverse_star | +LRA |" in md and "closer to the original than pruning on every set in" in md
     assert "significantly below pruning on Avg or Robust in" in md
+    # any two grids: named as asked, equal KL is a tie, pruning alone taken from a third grid where neither has it
+    import shutil
+
+    shutil.copytree(tmp_path / "b", tmp_path / "b_copy")
+    for f in (tmp_path / "b_copy").rglob("pruned.json"):
+        f.unlink()
+    two = dict(model="tiny", a=str(tmp_path / "b_copy"), b=str(tmp_path / "b_copy"), n_boot=50, a_label="one", b_label="two",
+               title="Same grid")
+    assert all(r["kl_pruned"] == {"a": None, "b": None} for r in compare(DomainCompareConfig(**two))["rows"])
+    out = render(DomainCompareConfig(**two, pruned_from=str(tmp_path / "a")))
+    same = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert all(r["kl_pruned"] == {"a": pruned, "b": pruned} for r in same)
+    md = out.with_suffix(".md").read_text()
+    assert md.startswith("# Same grid: tiny,") and "| Avg one → two |" in md
+    assert f"two lower in 0 of {len(same)} rows ({len(same)} equal within a relative 0.0001)." in md
+    assert f"- Avg: two higher in 0 of {len(same)} (significantly: 0; significantly lower: 0)" in md
 
     # the cross-grid fidelity table: the same counts, computed from the same files
     from shift_lightning.recipes.fidelity_table import FidelityTableConfig, render as render_table

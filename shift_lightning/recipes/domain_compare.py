@@ -5,6 +5,9 @@ windows.
     python -m shift_lightning.recipes.reproduce --model smollm2-135m --calib_source mixed \\
         --out results/paper_mixed --variants '[lra, guarded]' --fill new        # the mixed runs
     python -m shift_lightning.recipes.domain_compare --model smollm2-135m          # the comparison
+    python -m shift_lightning.recipes.domain_compare --a results/paper_mixed --b results/paper_mixed_refit \\
+        --repairs '[lra_replaceme]' --a_label "joint map" --b_label "+ re-fit" --title "Kept-block re-fit" \\
+        --differs "the second grid re-fitted kept blocks after each map" --pruned_from results/paper   # any two grids
 
 Writes ``<b>/<model>_vs_<a>.{md,json}``: per criterion and repair, KL to the original on every
 closeness set, Avg and Robust for both calibration texts, and the paired bootstrap differences
@@ -37,11 +40,26 @@ class DomainCompareConfig:
     repairs: list[str] = field(default_factory=lambda: ["lra", "guarded", "replaceme"])
     """Repairs compared where both grids have the row (ReplaceMe refitted on the other text too)."""
     n_boot: int = 2000
+    a_label: str = "wiki"
+    """What the table calls ``a`` (short: it heads columns)."""
+    b_label: str = "mixed"
+    """What the table calls ``b``."""
+    title: str = "Calibration domain"
+    """The table's heading."""
+    differs: str = ("only the calibration text of the maps differs (except under `linear_fit`, which chooses its "
+                    "blocks on the calibration windows; the blocks are in the JSON)")
+    """What differs between the two grids' rows, for the table's preamble."""
+    pruned_from: str | None = None
+    """A grid (same model) whose pruned rows stand for pruning alone where neither grid has one on the same blocks
+    (pruning alone does not depend on the maps), e.g. ``results/paper``."""
+    kl_rtol: float = 1e-4
+    """KL values within this relative difference count as equal, not lower (the same maps fitted again agree to
+    ~1e-5)."""
 
 
-def _pruned(runs_a: dict, runs_b: dict, crit: str, layers: list[int]) -> dict | None:
+def _pruned(grids: tuple[dict, ...], crit: str, layers: list[int]) -> dict | None:
     """The pruned row of ``crit`` on ``layers`` (linear_fit may choose other blocks on other text)."""
-    return next((g[(crit, "pruned")] for g in (runs_a, runs_b) if (crit, "pruned") in g
+    return next((g[(crit, "pruned")] for g in grids if (crit, "pruned") in g
                  and g[(crit, "pruned")]["pruned_layers"] == layers), None)
 
 
@@ -50,6 +68,7 @@ def compare(cfg: DomainCompareConfig) -> dict:
 
     key = model_key(cfg.model)
     runs_a, runs_b = load_runs(Path(cfg.a) / key), load_runs(Path(cfg.b) / key)
+    grids = (runs_a, runs_b) + ((load_runs(Path(cfg.pruned_from) / key),) if cfg.pruned_from else ())
     named = {"original": runs_a[(None, "original")]}
     pairs = []
     for (crit, v), r in sorted(runs_b.items(), key=lambda x: (str(x[0][0]), x[0][1])):
@@ -60,7 +79,7 @@ def compare(cfg: DomainCompareConfig) -> dict:
                         runs_a[(crit, v)]["pruned_layers"], r["pruned_layers"])
         named[f"a:{crit}/{v}"], named[f"b:{crit}/{v}"] = runs_a[(crit, v)], r
         for side, row in (("a", runs_a[(crit, v)]), ("b", r)):  # pruning alone on the same blocks
-            p = _pruned(runs_a, runs_b, crit, row["pruned_layers"])
+            p = _pruned(grids, crit, row["pruned_layers"])
             if p is not None:
                 named[f"p{side}:{crit}/{v}"] = p
         pairs.append((crit, v))
@@ -89,15 +108,14 @@ def render(cfg: DomainCompareConfig) -> Path:
     write_json_atomic(out.with_suffix(".json"), doc)
     rows = doc["rows"]
     sets = next((list(r["kl"]["a"]) for r in rows if r["kl"]["a"]), [])
-    lines = [f"# Calibration domain: {cfg.model}, `{cfg.b}` (mixed) against `{cfg.a}` (wiki-summaries)", "",
-             "The same blocks, docs and windows; only the calibration text of the maps differs (except under "
-             "`linear_fit`, which chooses its blocks on the calibration windows; the blocks are in the JSON). "
-             "**pruned**: the wiki row's blocks without a map. KL(original ‖ model) "
-             "in nats per position; Avg and Robust in points with 95% intervals; **mixed − wiki**: paired bootstrap "
-             "differences (↑ / ↓: the interval lies above / below 0).", "",
-             "| criterion | repair | " + " | ".join(f"KL {set_label(s)} pruned / wiki → mixed" for s in sets)
-             + " | Avg wiki → mixed | Robust wiki → mixed | Δ Avg | Δ Robust | − pruned: Avg wiki / mixed "
-             "| − pruned: Robust wiki / mixed |",
+    a, b = cfg.a_label, cfg.b_label
+    lines = [f"# {cfg.title}: {cfg.model}, `{cfg.b}` ({b}) against `{cfg.a}` ({a})", "",
+             f"The same blocks, docs and windows; {cfg.differs}. **pruned**: the {a} row's blocks without a map. "
+             "KL(original ‖ model) in nats per position; Avg and Robust in points with 95% intervals; "
+             f"**Δ** = {b} − {a}: paired bootstrap differences (↑ / ↓: the interval lies above / below 0).", "",
+             "| criterion | repair | " + " | ".join(f"KL {set_label(s)} pruned / {a} → {b}" for s in sets)
+             + f" | Avg {a} → {b} | Robust {a} → {b} | Δ Avg | Δ Robust | − pruned: Avg {a} / {b} "
+             f"| − pruned: Robust {a} / {b} |",
              "|---|---|" + "---:|" * (len(sets) + 6)]
     for r in rows:
         kl = [f"{fmt_kl((r['kl_pruned']['a'] or {}).get(s))} / {fmt_kl((r['kl']['a'] or {}).get(s))} → "
@@ -111,20 +129,28 @@ def render(cfg: DomainCompareConfig) -> Path:
     if rows and sets:
         lines.append("")
         for s in sets:
-            n = sum(1 for r in rows if r["kl"]["a"] and r["kl"]["b"] and r["kl"]["b"][s] < r["kl"]["a"][s])
-            lines.append(f"- KL {set_label(s)}: mixed lower in {n} of {len(rows)} rows.")
-        for side, name in (("a", "wiki"), ("b", "mixed")):
+            both = [r for r in rows if r["kl"]["a"] and r["kl"]["b"]]
+            same = sum(abs(r["kl"]["b"][s] - r["kl"]["a"][s]) <= cfg.kl_rtol * abs(r["kl"]["a"][s]) for r in both)
+            n = sum(r["kl"]["b"][s] < r["kl"]["a"][s] * (1 - cfg.kl_rtol) for r in both)
+            lines.append(f"- KL {set_label(s)}: {b} lower in {n} of {len(rows)} rows"
+                         + (f" ({same} equal within a relative {cfg.kl_rtol:g})." if same else "."))
+        for side, name in (("a", a), ("b", b)):
             known = [r for r in rows if r["kl"][side] and r["kl_pruned"][side]]
             n = sum(all(r["kl"][side][s] < r["kl_pruned"][side][s] for s in sets) for r in known)
-            lines.append(f"- Calibrated on {name}: closer to the original than pruning on every set in {n} of {len(known)} rows.")
-        for side, name in (("a", "wiki"), ("b", "mixed")):
+            lines.append(f"- {name}: closer to the original than pruning on every set in {n} of {len(known)} rows.")
+        for side, name in (("a", a), ("b", b)):
             known = [r for r in rows if r["minus_pruned"][side]]
             hurt = [r["criterion"] + ("" if r["repair"] == "lra" else f" ({r['repair']})") for r in known
                     if r["minus_pruned"][side]["avg_diff_ci"][1] < 0 or r["minus_pruned"][side]["robust_diff_ci"][1] < 0]
-            lines.append(f"- Calibrated on {name}: significantly below pruning on Avg or Robust in {len(hurt)} of "
+            lines.append(f"- {name}: significantly below pruning on Avg or Robust in {len(hurt)} of "
                          f"{len(known)} rows" + (f" ({', '.join(hurt)})." if hurt else "."))
-        lines.append(f"- Avg: mixed higher in {sum(r['b_minus_a']['avg_diff'] > 0 for r in rows)} of {len(rows)}; "
-                     f"Robust: mixed higher in {sum(r['b_minus_a']['robust_diff'] > 0 for r in rows)} of {len(rows)}.")
+        diff = [r["b_minus_a"] for r in rows]
+        lines.append(f"- Avg: {b} higher in {sum(d['avg_diff'] > 0 for d in diff)} of {len(rows)} "
+                     f"(significantly: {sum(d['avg_diff_ci'][0] > 0 for d in diff)}; significantly lower: "
+                     f"{sum(d['avg_diff_ci'][1] < 0 for d in diff)}); Robust: {b} higher in "
+                     f"{sum(d['robust_diff'] > 0 for d in diff)} of {len(rows)} (significantly: "
+                     f"{sum(d['robust_diff_ci'][0] > 0 for d in diff)}; significantly lower: "
+                     f"{sum(d['robust_diff_ci'][1] < 0 for d in diff)}).")
     write_text_atomic(out.with_suffix(".md"), "\n".join(lines) + "\n")
     return out
 
