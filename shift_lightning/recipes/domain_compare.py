@@ -7,7 +7,7 @@ windows.
     python -m shift_lightning.recipes.domain_compare --model smollm2-135m          # the comparison
     python -m shift_lightning.recipes.domain_compare --a results/paper_mixed --b results/paper_mixed_refit \\
         --repairs '[lra_replaceme]' --a_label "joint map" --b_label "+ re-fit" --title "Kept-block re-fit" \\
-        --differs "the second grid re-fitted kept blocks after each map" --pruned_from results/paper   # any two grids
+        --differs "the second grid re-fitted the kept blocks after each map" --pruned_from results/paper  # any two
 
 Writes ``<b>/<model>_vs_<a>.{md,json}``: per criterion and repair, KL to the original on every
 closeness set, Avg and Robust for both calibration texts, and the paired bootstrap differences
