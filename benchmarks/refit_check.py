@@ -216,8 +216,10 @@ def render(doc: dict, out: Path) -> None:
     ev = [r for r in doc["rows"] if r.get("evaluated")]
     if ev:
         sets = list(ev[0]["kl"])
-        md += ["", "Evaluated as the grid scores a row (the held-out choice re-fitted on all 64 windows on top of the "
-               "grid's joint map; Robust / Avg with 95 % paired-bootstrap intervals):", "",
+        wins = sorted({r.get("refit_windows", 64) for r in ev})
+        md += ["", f"Evaluated as the grid scores a row (the held-out choice re-fitted on all {'/'.join(map(str, wins))} "
+               "windows on top of the grid's joint map, fitted on its 64; Robust / Avg with 95 % paired-bootstrap "
+               "intervals):", "",
                "| criterion | row | " + " | ".join(f"KL {s}" for s in sets) + " | Robust | Avg |",
                "|---|---|" + "---:|" * (len(sets) + 2)]
         for r in ev:
