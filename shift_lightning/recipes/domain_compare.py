@@ -128,8 +128,8 @@ def render(cfg: DomainCompareConfig) -> Path:
                                              for side in ("a", "b")) for key in ("avg", "robust")) + " |")
     if rows and sets:
         lines.append("")
+        both = [r for r in rows if r["kl"]["a"] and r["kl"]["b"]]
         for s in sets:
-            both = [r for r in rows if r["kl"]["a"] and r["kl"]["b"]]
             same = sum(abs(r["kl"]["b"][s] - r["kl"]["a"][s]) <= cfg.kl_rtol * abs(r["kl"]["a"][s]) for r in both)
             n = sum(r["kl"]["b"][s] < r["kl"]["a"][s] * (1 - cfg.kl_rtol) for r in both)
             lines.append(f"- KL {set_label(s)}: {b} lower in {n} of {len(rows)} rows"
