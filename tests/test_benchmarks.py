@@ -225,3 +225,36 @@ def test_refit_check_rows_and_table(tmp_path):
     g = doc["rows"][-1]
     assert len(doc["rows"]) == 4 and g["guarded"] and g["tried"] == [5, 6] and set(g["refitted"]) <= {5, 6}
     assert doc["commands"][-1].endswith("--guarded") and "| given | 2 (guarded) | 0.01 |" in (tmp_path / "rf.md").read_text()
+
+
+def test_kd_plateau_epochs_and_slope(tmp_path):
+    """The KD plateau reader: the first epoch's losses (fresh batches) in quarters, the second epoch's
+    (seen batches), the val/kl slope per doubling of steps from TensorBoard events; runs that are not KD skipped."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import kd_plateau as K
+    from torch.utils.tensorboard import SummaryWriter
+
+    s = K.epoch_summary([4.0] * 2 + [3.0] * 2 + [2.0] * 2 + [1.0] * 2 + [0.5] * 3, steps_per_epoch=8)
+    assert s["fresh_quarters"] == [4.0, 3.0, 2.0, 1.0] and s["seen_mean"] == 0.5
+    assert s["fresh_last_quarter_minus_second"] == -2.0 and s["seen_minus_fresh_last_quarter"] == -0.5
+    assert K.epoch_summary([1.0, 2.0], 8)["seen_mean"] is None  # a run shorter than an epoch: all fresh
+    assert K.per_doubling([(0, 9.0), (2, 1.0), (4, 0.9), (8, 0.8), (16, 0.0)], last_step=8) == pytest.approx(-0.1)
+
+    folder = tmp_path / "rec"
+    run = {"criterion": "angular", "run": "lra_lora_kd", "repair": "lra", "kl": {"tasks": 0.5},
+           "recovery": {"loss": "kd", "lr": 5e-4, "lora_r": 8}, "loss_history": [0.4] * 4 + [0.3] * 4 + [0.2] * 4,
+           "config": {"batch_size": 2, "train_samples": 16, "train_source": "mixed"}}
+    (folder / "angular").mkdir(parents=True)
+    (folder / "angular" / "lra_lora_kd.json").write_text(json.dumps(run))
+    (folder / "angular" / "lra_lora.json").write_text(json.dumps({**run, "run": "lra_lora", "recovery": {"loss": "nll"}}))
+    w = SummaryWriter(str(folder / "tb" / "angular" / "lra_lora_kd"))
+    for step, v in [(0, 1.0), (2, 0.5), (4, 0.4), (8, 0.3), (12, 0.1)]:
+        w.add_scalar("val/kl", v, step)
+    w.close()
+    K.main(["--folders", json.dumps([str(folder), str(tmp_path / "missing")]), "--out", str(tmp_path / "kd")])
+    rows = json.loads((tmp_path / "kd.json").read_text())["rows"]
+    assert [r["run"] for r in rows] == ["lra_lora_kd"]
+    r = rows[0]
+    assert r["steps_per_epoch"] == 8 and r["fresh_quarters"] == pytest.approx([0.4, 0.4, 0.3, 0.3])
+    assert r["seen_mean"] == pytest.approx(0.2) and r["val_kl_per_doubling_epoch1"] == pytest.approx(-0.1)
+    assert "1.000 → 0.500 → 0.400 → 0.300 |" in (tmp_path / "kd.md").read_text()
