@@ -33,7 +33,7 @@ import _common as C
 
 DEFAULT_FOLDERS = ["results/recovery", "results/recovery_kd200", "results/recovery_kd200_mixed",
                    "results/recovery_kd100_lr2e-3_mixed", "results/recovery_kd100_lr2e-3_r32_mixed",
-                   "results/recovery_kd200_mixed_default"]
+                   "results/recovery_kd200_mixed_default", "results/recovery_kd500_fresh_mixed"]
 
 
 def _mean(xs: list[float]) -> float:

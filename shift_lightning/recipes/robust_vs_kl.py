@@ -66,7 +66,9 @@ class RobustVsKLConfig:
                                                               "fine-tuned, 100 steps at lr 2e-3, LoRA r=32, mixed text":
                                                                   "results/recovery_kd100_lr2e-3_r32_mixed",
                                                               "fine-tuned from the default repair, 200 steps, mixed text":
-                                                                  "results/recovery_kd200_mixed_default"})
+                                                                  "results/recovery_kd200_mixed_default",
+                                                              "fine-tuned, 500 steps of unseen mixed text":
+                                                                  "results/recovery_kd500_fresh_mixed"})
     """Name → folder of rows measured outside the grids (another depth, fine-tuning), scored on the same docs:
     they are not fitted; the curve's prediction at their KL is put beside their measured Robust. A paper-grid
     layout (``<model>/<criterion>/<variant>.json``) or the recovery table's (``<criterion>/<run>.json``);
