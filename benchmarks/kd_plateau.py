@@ -17,9 +17,9 @@ per run:
   (least squares of ``val/kl`` on ``log2(step)``, steps 1 … one epoch),
 * the tasks' KL of the finished run (the grids' closeness measure).
 
-A run whose fresh-text loss has flattened and whose second epoch falls without ``val/kl`` following is
-limited by neither the number of windows nor the steps at this budget; one whose fresh-text loss is still
-falling would gain from more text. Output: ``<out>.json`` and ``<out>.md``.
+A second epoch whose loss falls without ``val/kl`` following is memorising the windows; a fresh-text loss
+that has flattened says more text at this rate gains little (the README's fine-tuning section runs it: 2.5x
+the steps over 3.9x the unseen text gain 5 % in KL). Output: ``<out>.json`` and ``<out>.md``.
 """
 
 from __future__ import annotations
