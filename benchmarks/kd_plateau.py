@@ -62,16 +62,13 @@ def per_doubling(points: list[tuple[int, float]], last_step: int) -> float | Non
     return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
 
 
-def runs_of(folder: Path) -> list[tuple[Path, dict]]:
-    out = []
-    for f in sorted(folder.glob("*/*.json")):
-        doc = json.loads(f.read_text())
-        if doc.get("recovery", {}).get("loss") == "kd" and doc.get("loss_history"):
-            out.append((f, doc))
-    return out
+def runs_of(folder: Path) -> list[dict]:
+    """The KD run files of a recovery-table folder (``<criterion>/<run>.json``) that have a loss history."""
+    docs = [json.loads(f.read_text()) for f in sorted(folder.glob("*/*.json"))]
+    return [d for d in docs if d.get("recovery", {}).get("loss") == "kd" and d.get("loss_history")]
 
 
-def summarize(folder: Path, f: Path, doc: dict) -> dict:
+def summarize(folder: Path, doc: dict) -> dict:
     cfg = doc.get("config", {})
     bs, n = int(cfg.get("batch_size", 4)), int(cfg.get("train_samples", 512))
     row = {"folder": str(folder), "criterion": doc["criterion"], "run": doc["run"], "repair": doc.get("repair"),
@@ -119,7 +116,7 @@ def main(argv=None) -> None:
                    help="recovery-table output folders, a JSON list (missing ones skipped)")
     p.add_argument("--out", default="results/bench/kd_plateau")
     a = p.parse_args(argv)
-    rows = [summarize(Path(d), f, doc) for d in a.folders if Path(d).exists() for f, doc in runs_of(Path(d))]
+    rows = [summarize(Path(d), doc) for d in a.folders if Path(d).exists() for doc in runs_of(Path(d))]
     if not rows:
         raise SystemExit(f"no KD runs with a loss history in {a.folders}")
     out = Path(a.out)
