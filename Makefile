@@ -2,9 +2,11 @@
 # pyproject.toml changes): a virtual environment with the CPU torch wheel and this package.
 #
 #   make run        the main job on the embedded default (SmolLM2-135M, 25% Reverse-order* + LRAs)
-#   make test       the test suite
+#   make test       the product's tests
+#   make test-experiments   the research grids' own tests (experiments/tests)
 #   make reproduce  the paper's tables for MODEL (resumable; many CPU-hours)
 #   make ablations  the paper's ablations for MODEL (resumable)
+#   make tables     re-render every committed table in results/ from its JSON
 #
 # GPU machines: put the CUDA build of torch in first, e.g.
 #   make run TORCH_INDEX=https://download.pytorch.org/whl/cu126
@@ -16,7 +18,7 @@ MODEL ?= smollm2-135m
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shift-lightning-installed
 
-.PHONY: setup run test reproduce ablations
+.PHONY: setup run test test-experiments reproduce ablations tables
 
 setup: $(STAMP)
 
@@ -31,11 +33,14 @@ $(STAMP): pyproject.toml
 run: $(STAMP)  ## main job: 25% Reverse-order* pruning of SmolLM2-135M + closed-form LRAs, evaluated
 	$(PY) calibrate.py --config configs/smollm2_reverse_star.yaml --output_dir outputs/smollm2_rs --overwrite
 
-test: $(STAMP)  ## the test suite (tiny random models, 2-process DDP over gloo), in 2 pytest workers
+test: $(STAMP)  ## the product's tests (tiny random models, 2-process DDP over gloo), in 2 pytest workers
 	$(PY) -m pytest -q -n 2
 
+test-experiments: $(STAMP)  ## the research grids' and checks' own tests (experiments/tests)
+	$(PY) -m pytest -q -n 2 experiments/tests
+
 reproduce: $(STAMP)  ## the paper's tables for MODEL (resumable; many CPU-hours, ~10 GPU-minutes)
-	$(PY) -m shift_lightning.recipes.reproduce --model $(MODEL)
+	$(PY) -m experiments.reproduce --model $(MODEL)
 
 ablations: $(STAMP)  ## the paper's ablations on MODEL (resumable; reuses the grid's block choices)
-	$(PY) -m shift_lightning.recipes.ablations --model $(MODEL)
+	$(PY) -m experiments.ablations --model $(MODEL)

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import _common as C
+import bench_common as C
 import lightning as L
 import torch
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-import _common as C
+import bench_common as C
 import torch
 
 from shift_lightning.outputs import write_text_atomic

@@ -11,13 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-import _common as C
+import bench_common as C
 
 import torch  # noqa: E402
 
 from shift_lightning import load_pretrained  # noqa: E402
 from shift_lightning.outputs import write_json_atomic  # noqa: E402
-from shift_lightning.recipes.tables.recovery import read_curves  # noqa: E402
+from experiments.tables.recovery import read_curves  # noqa: E402
 from shift_lightning.reports import RecoveryReport  # noqa: E402
 
 REQUIRED = ("val/ppl", "val/kl", "zeroshot/avg", "train/loss")

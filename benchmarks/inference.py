@@ -35,7 +35,7 @@ import copy
 import time
 from pathlib import Path
 
-import _common as C
+import bench_common as C
 import lightning as L
 import torch
 from torch import nn

@@ -19,7 +19,7 @@ import argparse
 import time
 from pathlib import Path
 
-import _common as C
+import bench_common as C
 import torch
 
 from shift_lightning.stats import RidgeStats, ridge_solve

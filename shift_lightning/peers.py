@@ -31,7 +31,7 @@ entering block ``s`` and ``Δ = h_e − x`` what the span added to the residual 
   ``P`` depend on which one, so numbers are close to, not identical with, the reference's. Every
   entry of ``H`` is ``±1/√d``, so on a residual stream whose energy sits in a few massive channels a
   non-uniform ``D`` writes a share of those channels into every other one
-  (``benchmarks/linearpatch_check.py`` measures it on the grid's spans).
+  (``experiments/checks/linearpatch_check.py`` measures it on the grid's spans).
 """
 
 from __future__ import annotations

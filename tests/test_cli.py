@@ -23,10 +23,7 @@ def _at_root(monkeypatch):
 
 
 def _parsers():
-    from shift_lightning.recipes.reproduce import reproduce_parser
-
-    return {"calibrate": cli.calibrate_parser, "evaluate": cli.evaluate_parser, "train": cli.train_parser,
-            "reproduce": reproduce_parser}
+    return {"calibrate": cli.calibrate_parser, "evaluate": cli.evaluate_parser, "train": cli.train_parser}
 
 
 def _one_line_error(main, argv, capsys) -> str:
@@ -95,7 +92,7 @@ def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
         cli.calibrate_main(["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o")])
 
 
-def test_evaluate_train_and_reproduce_errors_are_one_line(tmp_path, capsys):
+def test_evaluate_and_train_errors_are_one_line(tmp_path, capsys):
     ev = ["--config", "eval_tiny.yaml", "--output_dir", str(tmp_path / "e")]
     assert "Valid task names" in _one_line_error(cli.evaluate_main, [*ev, "--tasks", "arc_hard"], capsys)
     assert "Data for task 'piqa' not found" in _one_line_error(
@@ -107,22 +104,18 @@ def test_evaluate_train_and_reproduce_errors_are_one_line(tmp_path, capsys):
     assert "Model folder not found" in _one_line_error(
         cli.train_main, ["--config", "tiny_lora.yaml", "--model.tiny", "null", "--model.name_or_path", "./no/model", "--output_dir",
                          str(tmp_path / "t")], capsys)
-    from shift_lightning.recipes import reproduce
-
-    assert "Unknown criteria ['nope']" in _one_line_error(
-        reproduce.main, ["--criteria", '["nope"]', "--out", str(tmp_path / "p")], capsys)
 
 
 # ------------------------------------------------------------------------------------------------
 # Bare boolean flags and --help on every entry point
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["calibrate", "evaluate", "train", "reproduce"])
+@pytest.mark.parametrize("name", ["calibrate", "evaluate", "train"])
 def test_every_boolean_option_works_as_a_bare_flag(name):
     parser = _parsers()[name]()
     flags = sorted({s for a in parser._actions if cli._is_bool(getattr(a, "_typehint", None))
                     for s in a.option_strings if s.startswith("--")})
-    assert ("--render_only" if name == "reproduce" else "--overwrite") in flags, flags
-    base = [] if name == "reproduce" else ["--output_dir", "/tmp/unused"]
+    assert "--overwrite" in flags, flags
+    base = ["--output_dir", "/tmp/unused"]
     if name == "train":
         base += ["--model.name_or_path", "x"]
     for flag in flags:
@@ -132,31 +125,10 @@ def test_every_boolean_option_works_as_a_bare_flag(name):
         assert parser.parse_args(cli.preprocess_argv([*base, flag, "false"], parser))[key] is False, flag
 
 
-def test_a_recorded_command_pastes_into_a_shell_and_parses_back_to_the_same_grid():
-    """A grid run records the command that makes it again: lists (JSON) and values with spaces are shell-quoted,
-    so pasting it gives the same settings (where the files go is not part of it)."""
-    import dataclasses
-    import shlex
-
-    from shift_lightning.recipes.reproduce import ReproduceConfig, rerun_command
-
-    cfg = ReproduceConfig(model="smollm2-135m", calib_source="mixed", criteria=["ppl", "angular"],
-                          variants=["lra_replaceme"], refit_kept=2, refit_of="results/paper mixed", ratio=0.375)
-    cmd = rerun_command(cfg)
-    assert "--criteria '[\"ppl\", \"angular\"]'" in cmd and "--refit_of 'results/paper mixed'" in cmd
-    argv = shlex.split(cmd)
-    assert argv[:3] == ["python", "-m", "shift_lightning.recipes.reproduce"]
-    p = _parsers()["reproduce"]()
-    init = p.instantiate_classes(p.parse_args(cli.preprocess_argv(argv[3:], p)))
-    again = ReproduceConfig(**{f.name: init[f.name] for f in dataclasses.fields(ReproduceConfig)})
-    assert again == cfg
-
-
 @pytest.mark.parametrize("name,expect", [
     ("calibrate", ["Relative ridge damping", "Fraction of blocks to remove", "{independent,sequential,anchored,auto}"]),
     ("evaluate", ["Tokens per perplexity window", "Evaluate only N docs per task"]),
     ("train", ["LoRA rank", "Also train the Linear Residual Adapters"]),
-    ("reproduce", ["Docs per zero-shot task", "Only render the tables"]),
 ])
 def test_help_shows_every_knob_with_its_description(name, expect):
     text = " ".join(_parsers()[name]().format_help().split())
@@ -286,34 +258,3 @@ def test_the_judges_work_after_their_pass_shows_progress(solver, mode, stage):
     assert re.search(rf"{stage}: done, {n} steps in 0:00:\d\d", lines[-1]) and len(lines) == n + 1
 
 
-def test_grid_evaluation_shows_progress_in_a_log_file(capsys):
-    """The grids evaluate outside Lightning (``evaluate_model``): each pass still names itself, with a
-    closing line, instead of tqdm's carriage returns (and the grid's own trainer shows its passes)."""
-    from dataclasses import replace
-
-    from shift_lightning.evaluation.runner import EvalConfig, evaluate_model
-    from shift_lightning.models import build_tiny_model
-    from shift_lightning.progress import StageProgress, _Plain, stage_bar
-    from shift_lightning.recipes.harness import quiet_trainer_factory
-
-    assert any(isinstance(c, StageProgress) for c in quiet_trainer_factory()().callbacks)
-    model, tok = build_tiny_model("llama")
-    cfg = EvalConfig(tasks="", ppl=CORPUS, ppl_seq_len=32, ppl_max_windows=4, kl=False)
-    capsys.readouterr()
-    evaluate_model(model, tok, cfg, tasks=False)
-    err = capsys.readouterr().err
-    assert "\r" not in err and re.search(r"\] evaluation \(perplexity and closeness\): \d+ steps?\n", err), err
-    assert re.search(r"\] evaluation \(perplexity and closeness\): done, \d+ steps? in 0:00:\d\d", err), err
-    evaluate_model(model, tok, replace(cfg, progress=False), tasks=False)
-    assert capsys.readouterr().err == ""
-    log = io.StringIO()
-    bar = stage_bar("scores", 3, interval=0, stream=log)  # a StringIO is not a terminal: plain lines
-    for _ in range(3):
-        bar.step()
-    bar.close()
-    lines = log.getvalue().splitlines()
-    assert lines[0].endswith("] scores: 3 steps") and re.search(r"\] scores: 33% \(1/3\), [\d.]+ it/s", lines[1])
-    assert re.search(r"\] scores: done, 3 steps in 0:00:00", lines[-1]) and len(lines) == 4
-    closed = io.StringIO()
-    closed.close()  # isatty() raises ValueError on a closed stream: not a terminal, no crash
-    assert not StageProgress(stream=closed).tty and not _Plain(0, closed, None).tty

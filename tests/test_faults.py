@@ -83,6 +83,15 @@ def _no_compute(monkeypatch):
         monkeypatch.setattr(mod, "load_pretrained", _never)
 
 
+def test_nan_damping_in_yaml_is_refused_before_any_compute(tmp_path, monkeypatch, capsys):
+    y = tmp_path / "nan.yaml"
+    y.write_text("calibration:\n  damping: .nan\n")
+    _no_compute(monkeypatch)
+    line = _error(cli.calibrate_main, ["--config", "tiny.yaml", "--config", str(y), "--output_dir", str(tmp_path / "o"),
+                                       *FAST], capsys)
+    assert "--calibration.damping must be a finite number > 0, got nan" in line
+
+
 # ================================================================================================
 # Data lost
 # ================================================================================================
@@ -168,16 +177,6 @@ def test_case6_fewer_steps_than_the_validation_interval_still_validate_the_resul
     assert r.metrics_after["val/ppl"] != r.metrics_before["val/ppl"]  # validated after training
     summary = capsys.readouterr().out
     assert re.search(r"val/ppl [\d.]+ -> [\d.]+", summary) and "nan" not in summary, summary
-
-
-def test_case7_render_only_on_an_empty_folder_says_there_is_nothing(tmp_path, capsys):
-    from shift_lightning.recipes import reproduce
-
-    empty = tmp_path / "empty"
-    reproduce.main(["--render_only", "--out", str(empty), "--model", "tiny"])
-    out = capsys.readouterr().out
-    assert "No finished runs" in out and "nothing to render" in out and "Tables in" not in out
-    assert not empty.exists()  # nothing written, not even a folder
 
 
 # ---- case 8: checkpoints belong to their run --------------------------------------------------
@@ -636,20 +635,6 @@ def test_ctrl_c_or_sigterm_during_calibration_is_one_line_and_its_status(tmp_pat
 # ================================================================================================
 # Rough edges
 # ================================================================================================
-def test_nan_damping_in_yaml_is_refused_before_any_compute(tmp_path, monkeypatch, capsys):
-    y = tmp_path / "nan.yaml"
-    y.write_text("calibration:\n  damping: .nan\n")
-    _no_compute(monkeypatch)
-    line = _error(cli.calibrate_main, ["--config", "tiny.yaml", "--config", str(y), "--output_dir", str(tmp_path / "o"),
-                                       *FAST], capsys)
-    assert "--calibration.damping must be a finite number > 0, got nan" in line
-    from shift_lightning.recipes import harness, reproduce
-
-    monkeypatch.setattr(harness, "open_grid", _never)  # the grid's model would be loaded first
-    line = _error(reproduce.main, ["--damping", ".nan", "--out", str(tmp_path / "p")], capsys)
-    assert "--calibration.damping must be a finite number > 0, got nan" in line
-
-
 def test_too_short_heldout_text_names_the_heldout_options(tmp_path, capsys):
     line = _error(cli.calibrate_main, ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"),
                                        "--heldout.num_samples", "5000", *FAST], capsys)
@@ -679,13 +664,6 @@ def test_resuming_into_a_foreign_output_folder_is_refused_before_any_compute(tmp
     _no_compute(monkeypatch)
     line = _error(cli.train_main, [*args, "--ckpt_path", "last"], capsys)
     assert "was not written by shift-lightning" in line and (tmp_path / "o" / "thesis.tex").read_text() == "mine"
-
-
-def test_reproduce_with_a_missing_model_leaves_no_folder(tmp_path, capsys):
-    from shift_lightning.recipes import reproduce
-
-    line = _error(reproduce.main, ["--model", "./no/such/model", "--out", str(tmp_path / "p")], capsys)
-    assert "Model folder not found" in line and not (tmp_path / "p").exists()
 
 
 def test_a_writer_that_will_not_close_on_stop_cannot_hold_the_process(capfd):

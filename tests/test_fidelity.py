@@ -108,20 +108,3 @@ def test_evaluator_reports_closeness_on_every_set_with_intervals():
     assert plain["perplexity"] == res["perplexity"] and "kl" not in plain
 
 
-def test_grid_reference_is_cached_and_gives_the_same_closeness(tmp_path, monkeypatch):
-    """A grid process records the original's distributions once per model and settings; a later process
-    reads them back (no pass) and measures the same KL; other settings get their own file."""
-    from shift_lightning.recipes import harness
-    from shift_lightning.recipes.reproduce import ReproduceConfig, eval_config
-
-    monkeypatch.setenv("SHIFT_LIGHTNING_CACHE", str(tmp_path))
-    cfg = ReproduceConfig(model="tiny", tiny={"family": "llama", "num_hidden_layers": 6}, docs=4, ppl_windows=2,
-                          seq_len=64, eval_data_dir=str(TINY_DATA), ppl_sets=[str(TINY_DATA / "ppl_text.txt")])
-    open_ = [harness.open_grid(cfg.model, cfg.tiny, "cpu", lambda v, d, c=c: eval_config(c, v, d), {}) for c in
-             (cfg, cfg, ReproduceConfig(**{**cfg.__dict__, "kl_docs": 2}))]
-    assert open_[0].evaluator.reference_file is None and open_[1].evaluator.reference_file is not None
-    assert open_[2].evaluator.reference_file is None  # other settings: recorded, not read
-    assert len(list((tmp_path / "closeness").glob("*.safetensors"))) == 2
-    pruned = copy.deepcopy(open_[0].model)
-    remove_blocks(pruned, [2])
-    assert open_[0].evaluate(pruned, tasks=False)["kl"] == open_[1].evaluate(pruned, tasks=False)["kl"]

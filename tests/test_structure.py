@@ -88,6 +88,32 @@ def test_library_never_imports_recipes():
     assert {m: t for m, t in offenders.items() if t} == {}
 
 
+def _outside_imports(root: Path = PKG) -> dict[str, list[str]]:
+    """Per module of ``root``: every import (top level or inside a function) of ``experiments`` or ``benchmarks``."""
+    out = {}
+    for f in sorted(root.rglob("*.py")):
+        names = []
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names.append(node.module or "")
+        bad = sorted({n for n in names if n.split(".")[0] in ("experiments", "benchmarks", "bench_common")})
+        if bad:
+            out[f.relative_to(root.parent).as_posix()] = bad
+    return out
+
+
+def test_the_product_never_imports_experiments_or_benchmarks(tmp_path):
+    """``shift_lightning/`` is what users run: the research grids (``experiments/``) and the performance benchmarks
+    build on it, never the reverse."""
+    assert _outside_imports() == {}
+    fake = tmp_path / "shift_lightning"
+    fake.mkdir()
+    (fake / "m.py").write_text("def f():\n    from experiments.harness import open_grid\n    import benchmarks.solve\n")
+    assert _outside_imports(fake) == {"shift_lightning/m.py": ["benchmarks.solve", "experiments.harness"]}
+
+
 def test_framework_free_modules_do_not_import_lightning():
     for name in ("stats", "lra", "criteria/base", "criteria/scorers", "criteria/linear_fit", "arch", "nll", "errors",
                  "outputs", "fidelity", "calibration/sites", "calibration/maps", "calibration/solvers/ridge",
@@ -219,12 +245,18 @@ def _imports(f: Path):
                 yield target, a.name
 
 
+RECIPES = ("shift_lightning.recipes", "experiments")
+
+
 def _private_recipe_imports() -> list[str]:
+    """Recipes (the product's pipelines and the research grids) never import each other's private names."""
     out = []
-    for f in sorted((PKG / "recipes").rglob("*.py")):
+    for f in sorted([*(PKG / "recipes").rglob("*.py"), *(ROOT / "experiments").rglob("*.py")]):
         me = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+        if ".tests." in me:
+            continue
         for target, name in _imports(f):
-            other = target.startswith("shift_lightning.recipes") and target != me
+            other = target.startswith(RECIPES) and target != me
             if other and (name.startswith("_") or target.rsplit(".", 1)[-1].startswith("_")):
                 out.append(f"{me} imports {target}.{name}")
     return out
@@ -233,11 +265,10 @@ def _private_recipe_imports() -> list[str]:
 def test_recipes_never_import_each_others_private_names(tmp_path, monkeypatch):
     assert _private_recipe_imports() == []
     # the check itself fails on a planted offender
-    bad = PKG / "recipes" / "zz_offender_for_test.py"
+    bad = ROOT / "experiments" / "zz_offender_for_test.py"
     try:
         bad.write_text("from .reproduce import _selection  # noqa\n")
-        assert _private_recipe_imports() == ["shift_lightning.recipes.zz_offender_for_test imports "
-                                             "shift_lightning.recipes.reproduce._selection"]
+        assert _private_recipe_imports() == ["experiments.zz_offender_for_test imports experiments.reproduce._selection"]
     finally:
         bad.unlink()
 
@@ -289,13 +320,12 @@ def test_the_default_solver_is_the_one_the_readme_and_the_main_config_name():
     import yaml
 
     from shift_lightning.calibration import CalibrationConfig
-    from shift_lightning.recipes.targets_summary import TargetsSummaryConfig
 
     default = CalibrationConfig().solver
     row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `--calibration.*`"))
     assert "`solver` (" in row and row.split("`solver` (", 1)[1].split(")", 1)[0].split("; ")[1] == f"default `{default}`"
     main = yaml.safe_load((ROOT / "configs" / "smollm2_reverse_star.yaml").read_text())
-    assert main["calibration"]["solver"] == default == TargetsSummaryConfig().default
+    assert main["calibration"]["solver"] == default
 
 
 def _readme_choices(group: str, field: str) -> set[str]:
