@@ -90,7 +90,7 @@ def _run(cfg: SweepConfig, ctx: harness.GridContext, runs: harness.RunFolder, cr
     module = None
     t0 = time.time()
     if solvers:
-        module = CalibrationModule(model, layers, CalibrationConfig(damping=g.damping, guard_every=g.guard_every,
+        module = CalibrationModule(model, layers, CalibrationConfig(damping=g.damping, heldout_every=g.heldout_every,
                                                                     heldout=False), solvers=solvers)
         module.calibrate(ctx.make_trainer(), ctx.windows(g.calib_samples, g.seq_len), batch_size=4)
     cal_seconds = time.time() - t0

@@ -43,7 +43,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from shift_lightning.calibration import SOLVERS, CalibrationConfig, CalibrationModule
+from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.criteria import PruneConfig
 from shift_lightning.data import TextDataConfig
 from shift_lightning.errors import ConfigError
@@ -53,7 +53,7 @@ from shift_lightning.progress import StageProgress
 from shift_lightning.recovery import RecoveryConfig
 from shift_lightning.selection import select_blocks
 from shift_lightning.surgery import apply_correction, remove_blocks
-from experiments import harness
+from experiments import harness, variants
 from experiments.reproduce import ReproduceConfig, eval_config
 from experiments.tables import recovery as tables
 from experiments.tables.recovery import read_curves  # noqa: F401  (re-exported)
@@ -133,9 +133,9 @@ def labels(repair: str = "lra") -> dict[str, str]:
 
 
 def validate(cfg: RecoveryTableConfig) -> None:
-    if cfg.repair not in SOLVERS:
-        raise ConfigError(f"--repair {cfg.repair!r} is not a repair the paper grid fits; use one of "
-                          f"{', '.join(SOLVERS)}")
+    if cfg.repair not in variants.VARIANTS:
+        raise ConfigError(f"--repair {cfg.repair!r} is not a variant the paper grid fits; use one of "
+                          f"{', '.join(variants.VARIANTS)}")
     unknown = [r for r in cfg.runs if r not in RUNS]
     if unknown:
         raise ConfigError(f"--runs: unknown run(s) {unknown}; use any of {', '.join(RUNS)}")
@@ -168,9 +168,9 @@ def run(cfg: RecoveryTableConfig) -> Path:
         layers = select_blocks(PruneConfig(ratio=cfg.ratio, criterion=crit), base, windows, ctx.make_trainer).layers
         n = ctx.num_layers
         module = CalibrationModule(copy.deepcopy(base), layers,
-                                   CalibrationConfig(damping=g.damping, guard_every=g.guard_every,
-                                                     mode=SOLVERS[cfg.repair].mode or "independent"),
-                                   solvers=[cfg.repair])
+                                   CalibrationConfig(damping=g.damping, heldout_every=g.heldout_every,
+                                                     mode=variants.mode_of(cfg.repair)),
+                                   solvers=variants.knobs([cfg.repair]))
         module.calibrate(ctx.make_trainer(), ctx.windows(g.calib_samples, g.seq_len, source=g.calib_source),
                          ctx.windows(g.heldout_samples, g.seq_len, split="heldout"), batch_size=4)
         correction = module.correction(cfg.repair)

@@ -40,7 +40,7 @@ from typing import Literal
 
 import torch
 
-from shift_lightning.calibration import SOLVERS, CalibrationConfig, CalibrationModule
+from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.calibration.auto import coinciding_fits
 from shift_lightning.calibration.solvers.ridge import LRAAuto
 from shift_lightning.arch import decoder_layers
@@ -54,7 +54,7 @@ from shift_lightning.models import num_params
 from shift_lightning.outputs import prepare_file
 from shift_lightning.selection import select_blocks
 from shift_lightning.surgery import remove_blocks
-from experiments import harness
+from experiments import harness, variants
 from experiments.harness import resolve_device  # noqa: F401  (re-exported: the tests and GPU users call it)
 from experiments.tables import paper as tables
 
@@ -128,7 +128,7 @@ class ReproduceConfig:
     """Scorer batch budget (default 8192; 2048 for vocabularies over 100k tokens)."""
     damping: float = 1e-4
     """Relative ridge damping of every fitted map."""
-    guard_every: int = 4
+    heldout_every: int = 4
     """Guards (and the re-fit's check): every k-th calibration window is held out to judge."""
     refit_kept: int | Literal["all"] = 0
     """After every map, re-fit the first k kept blocks after each span (``all``: every one) as
@@ -191,7 +191,7 @@ def check_config(cfg: ReproduceConfig) -> None:
     bad = [c for c in cfg.criteria if c not in CRITERIA_ORDER]
     if bad:
         raise ConfigError(f"Unknown criteria {bad}; choose from {', '.join(CRITERIA_ORDER)}")
-    CalibrationConfig(damping=cfg.damping, guard_every=cfg.guard_every, refit_kept=cfg.refit_kept,
+    CalibrationConfig(damping=cfg.damping, heldout_every=cfg.heldout_every, refit_kept=cfg.refit_kept,
                       refit_damping=cfg.refit_damping).validate()
     if not (isinstance(cfg.ratio, (int, float)) and 0 < cfg.ratio < 1):
         raise ConfigError(f"--ratio must be a fraction in (0, 1), got {cfg.ratio}")
@@ -366,13 +366,13 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
     if solvers:
         calib = ctx.windows(cfg.calib_samples, cfg.seq_len, source=cfg.calib_source)
         heldout = ctx.windows(cfg.heldout_samples, cfg.seq_len, split="heldout")
-        base = CalibrationConfig(damping=cfg.damping, guard_every=cfg.guard_every)
+        base = CalibrationConfig(damping=cfg.damping, heldout_every=cfg.heldout_every)
         by_mode: dict[tuple, list[str]] = {}  # one pass per calibration mode a solver is defined by (a walk: per solver)
         for v in solvers:
-            mode = SOLVERS[v].mode or "independent"
+            mode = variants.mode_of(v)
             by_mode.setdefault((mode, "" if mode == "independent" else v), []).append(v)
         for (mode, _), names in by_mode.items():
-            module = CalibrationModule(model, layers, replace(base, mode=mode), solvers=names)
+            module = CalibrationModule(model, layers, replace(base, mode=mode), solvers=variants.knobs(names))
             module.calibrate(ctx.make_trainer(), calib, heldout, batch_size=4)
             modules.update(dict.fromkeys(names, module))
     cal_seconds = time.time() - t0
@@ -431,7 +431,7 @@ def _refitted(cfg: ReproduceConfig, ctx: harness.GridContext, model, layers: lis
     blocks = decoder_layers(model)
     saved = {(p, n): blocks[p].get_submodule(n).weight.detach().clone() for p, _ in pairs for n in LAYERS}
     try:
-        rep = guarded_refit(model, ctx.model, calib, pairs, cfg.refit_damping, cfg.guard_every,
+        rep = guarded_refit(model, ctx.model, calib, pairs, cfg.refit_damping, cfg.heldout_every,
                             progress=lambda o, kl, keep: log.info("kept block %d re-fitted: held-out KL %.4f, %s", o,
                                                                   kl, "kept" if keep else "undone"))
         log.info("re-fit of kept blocks %s: held-out KL %s, kept %s", [o for _, o in pairs],
@@ -522,7 +522,7 @@ def _maps_check(res: dict, name: str, doc: dict, tol: float = 1e-4):
 def _site_errors(module: CalibrationModule, solver: str) -> list[dict]:
     """Per span: the held-out relative error of the whole-span map; the guards' choices."""
     out = []
-    fitted = getattr(SOLVERS.get(solver), "fit_solver", "") or solver  # mode auto: the chosen fit's errors
+    fitted = module.solvers[solver].name if module.cfg.mode == "auto" else solver  # the chosen fit's errors
     for s in module.spans:
         rep = module.reports[s.key]
         e = rep.get("span_errors", {}).get(solver) or rep.get("span_errors", {}).get(fitted, {})

@@ -25,14 +25,14 @@ HUB_LICENSES = (("HuggingFaceTB/SmolLM2", "apache-2.0"), ("google/gemma-3", "gem
                 ("meta-llama/Llama-3.1", "llama3.1"), ("meta-llama/Meta-Llama-3.1", "llama3.1"),
                 ("meta-llama/Llama-3.2", "llama3.2"), ("meta-llama/Llama-3.3", "llama3.3"),
                 ("meta-llama/Meta-Llama-3-", "llama3"))
-SOLVERS = {"lra": "closed-form Linear Residual Adapters (ridge least squares, y = x + x Wᵀ + b)",
-           "nobias": "closed-form residual maps without bias (y = x + x Wᵀ)",
-           "affine": "closed-form affine maps (y = x Aᵀ + c, no identity path)",
-           "lra_guard": "closed-form LRAs with a reconstruction guard", "guarded": "the do-no-harm guard",
-           "guarded_span": "the do-no-harm guard, with one LRA per whole span among its candidates",
-           "replaceme": "ReplaceMe (least squares) maps on the MLP branch of the block before each site",
-           "replaceme_cosine": "ReplaceMe (cosine) maps on the MLP branch of the block before each site",
-           "linearpatch": "LinearPatch (Hadamard channel scaling)", "none": "no repair"}
+
+
+
+def describe(solver: str) -> str:
+    """One line on what ``solver`` put in the model (the registry's description)."""
+    from .calibration.solvers import SOLVERS
+
+    return "no repair" if solver == "none" else getattr(SOLVERS.get(solver), "description", "") or solver
 
 
 @dataclass
@@ -211,7 +211,7 @@ def model_card(spec: dict, model: nn.Module | None, facts: CardFacts | None = No
         meta["base_model"] = base.hub_id
     meta.update(library_name="transformers", pipeline_tag="text-generation",
                 tags=["shift-lightning", "depth-pruning", "pruned"] + (["linear-residual-adapter"] if n_a else []))
-    repair = f"`{solver}`: {SOLVERS.get(solver, solver)}"
+    repair = f"`{solver}`: {describe(solver)}"
     if n_a or n_m:
         repair += f"; {n_a} adapter(s)" + (f", {n_m} map(s) on a post-MLP norm" if n_m else "") + \
             f", {p:,} parameters" + (f" ({100 * p / total:.2f} % of the model)" if total else "")
@@ -247,7 +247,7 @@ def model_card(spec: dict, model: nn.Module | None, facts: CardFacts | None = No
     title = title or f"{short}, {len(removed)} of {n} blocks removed" + (f", repaired: {solver}" if solver != "none" else "")
     out = ["---", _yaml(meta), "---", "", f"# {title[:1].upper() + title[1:]}", "",
            f"{base.name[:1].upper() + base.name[1:]} with {len(removed)} of its {n} decoder blocks removed"
-           + (f" and repaired with {SOLVERS.get(solver, solver)}" if solver != "none" else "")
+           + (f" and repaired with {describe(solver)}" if solver != "none" else "")
            + ", made with shift-lightning (SHIFT-LLM).", "",
            "## What was done", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], "", "## Evaluation", ""]
     evals = cal.get("evaluation") or {}

@@ -131,7 +131,7 @@ class StageProgress(ProgressBar):
 
     def bar(self, name: str, total: int) -> "_Bar | NullBar":
         """A progress of its own for work a pass does after its loop (its ``finish``: the guard's
-        candidates, ``lra_auto``'s fits), where the pass's own bar has already closed."""
+        candidates, ``mode: auto``'s fits), where the pass's own bar has already closed."""
         return _Bar(self, name, total) if self._enabled else NullBar()
 
     def _open(self, key: str, name: str, total, done: int = 0) -> None:

@@ -319,36 +319,3 @@ def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = Non
     W = B.T.contiguous()
     b = my - W @ mx
     return Solution(W, b, U, V, float(lam), kind)
-
-
-def guarded_solve(stats: RidgeStats, guard: RidgeStats, damping: float = 1e-4, rank: int | None = None,
-                  kind: str = "residual", bias: bool = True, path: int = 7) -> tuple[Solution, dict]:
-    """Do-no-harm fit: keep a map only where it helps on data it was not fitted on.
-
-    ``stats`` holds every calibration window, ``guard`` the held-out part of them (``stats − guard``
-    is the fitting part). Along the ridge path ``λ_k = damping · 10^k`` (k < ``path``) the map fitted on
-    the fitting part is scored by its relative error on the guard windows; the λ with the lowest
-    error is refitted on all windows. If no λ beats the identity (error 1: the block's update
-    dropped, as plain pruning does), the map *is* the identity (``W = 0, b = 0``; ``A = I`` for the
-    affine kind). Returns the solution and a report (errors along the path, the choice).
-    """
-    d = stats.dim
-    fit = RidgeStats(d, stats.name + " [fit part]", device=stats.buffer.device)
-    fit.buffer.copy_(stats.buffer - guard.buffer)
-    errors = {}
-    for k in range(path):
-        lam = damping * 10 ** k
-        try:
-            Wd, bd = ridge_solve(fit, lam, rank, kind, bias).delta_map()
-        except SolveError:
-            continue
-        errors[lam] = guard.relative_error(Wd, bd)
-    best = min(errors, key=errors.get) if errors else None
-    if best is None or not errors[best] < 1.0:
-        f64 = dict(dtype=torch.float64, device=stats.buffer.device)
-        W = torch.eye(d, **f64) if kind == "affine" else torch.zeros(d, d, **f64)
-        U = V = torch.zeros(d, rank, **f64) if rank is not None and rank < d else None
-        return Solution(W, torch.zeros(d, **f64), U, V, float("inf"), kind), {
-            "errors": {f"{k:g}": v for k, v in errors.items()}, "chosen": "identity", "fired": True}
-    sol = ridge_solve(stats, best, rank, kind, bias)
-    return sol, {"errors": {f"{k:g}": v for k, v in errors.items()}, "chosen": best, "fired": best != damping}

@@ -12,8 +12,8 @@ from torch.testing import assert_close
 
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.calibration.maps import assemble
-from shift_lightning.calibration.solvers.joint import LRAReplaceMeAuto
-from shift_lightning.calibration.solvers.ridge import LRAAuto
+from shift_lightning.calibration.solvers.joint import LRAReplaceMe
+from shift_lightning.calibration.solvers.ridge import LRA
 from shift_lightning.data import TokenWindows
 from shift_lightning.errors import ConfigError
 from shift_lightning.fidelity import kl_top1, topk_reference
@@ -29,7 +29,7 @@ REMOVED = [1, 3, 4]  # two spans: the fits differ (a one-block span and a two-bl
 def fitted():
     model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
     win = _windows(tok, n=8)
-    cfg = CalibrationConfig(solver="lra_auto", mode="auto", damping=1e-4, guard_topk=16)
+    cfg = CalibrationConfig(solver="lra", mode="auto", damping=1e-4, guard_topk=16)
     mod = CalibrationModule(copy.deepcopy(model), REMOVED, cfg)
     mod.calibrate(_trainer(), win, batch_size=4)
     return model, win, cfg, mod
@@ -46,15 +46,15 @@ def test_auto_judges_every_fit_as_the_pruned_model_runs_and_keeps_the_closest(fi
     other windows) in place; the chosen one has the lowest KL; the fits genuinely differ."""
     model, win, cfg, mod = fitted
     res = mod.fit_choice
-    assert list(res["kl"]) == [f[0] for f in LRAAuto.fits]
+    assert list(res["kl"]) == [f[0] for f in LRA.fits]
     assert res["chosen"] == min(res["kl"], key=lambda n: (res["kl"][n], list(res["kl"]).index(n)))
-    held = torch.arange(len(win)) % cfg.guard_every == cfg.guard_every - 1
+    held = torch.arange(len(win)) % cfg.heldout_every == cfg.heldout_every - 1
     fit_w = TokenWindows(win.input_ids[~held], win.attention_mask[~held])
     ids, mask = win.input_ids[held], win.attention_mask[held]
     assert res["held_out_windows"] == int(held.sum()) and res["fit_windows"] == len(fit_w)
     with torch.no_grad():
         ref = topk_reference(model(input_ids=ids, attention_mask=mask).logits[mask.bool()], cfg.guard_topk)
-    for name, gran, mode in LRAAuto.fits:
+    for name, gran, mode in LRA.fits:
         m = _fit(model, fit_w, cfg, gran, mode)
         pruned = copy.deepcopy(model)
         remove_blocks(pruned, REMOVED)
@@ -62,34 +62,30 @@ def test_auto_judges_every_fit_as_the_pruned_model_runs_and_keeps_the_closest(fi
         with torch.no_grad():
             kl = kl_top1(pruned(input_ids=ids, attention_mask=mask).logits[mask.bool()], ref)[0].mean().item()
         assert res["kl"][name] == pytest.approx(kl, rel=1e-6, abs=1e-12), name
-    assert len({round(v, 12) for v in res["kl"].values()}) == len(LRAAuto.fits)
+    assert len({round(v, 12) for v in res["kl"].values()}) == len(LRA.fits)
 
 
 def test_auto_maps_are_the_chosen_fit_refitted_on_all_windows(fitted):
     model, win, cfg, mod = fitted
-    name, gran, mode = next(f for f in LRAAuto.fits if f[0] == mod.fit_choice["chosen"])
+    name, gran, mode = next(f for f in LRA.fits if f[0] == mod.fit_choice["chosen"])
     want = _fit(model, win, cfg, gran, mode).correction("lra").adapters
     got = mod.correction().adapters
     assert set(got) == set(want) and len(got) == 2
     x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
     for at in got:
         assert_close(got[at](x), want[at](x), rtol=1e-8, atol=1e-8)
-    assert {r["maps"]["lra_auto"] for r in mod.span_reports()} == {name}
+    assert {r["maps"]["lra"] for r in mod.span_reports()} == {name}
     assert all(r["guard"]["chosen"] == name for r in mod.span_reports())
     assert all("calib_rel_error" in r for r in mod.site_reports())  # the refit's own errors
 
 
 def test_auto_refuses_what_it_cannot_do(fitted):
     model, win, _, _ = fitted
-    for solver in ("lra", "lra_replaceme", "lra_replaceme_anchored"):  # the message names the auto solvers
-        with pytest.raises(ConfigError, match="mode auto.*lra_auto / lra_replaceme_auto solvers.*--calibration.solver "
-                                              "lra_replaceme_auto.*or lra_auto"):
+    for solver in ("nobias", "replaceme", "guarded"):  # the message names the solvers with an auto mode
+        with pytest.raises(ConfigError, match="mode auto.*lra / lra_replaceme solvers.*--calibration.solver "
+                                              "lra_replaceme .*or lra"):
             CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver=solver, mode="auto"))
-    with pytest.raises(ConfigError, match="lra_replaceme_auto.*--calibration.mode auto"):
-        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_replaceme_auto"))
-    with pytest.raises(ConfigError, match="lra_auto.*--calibration.mode auto"):
-        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_auto"))
-    mod = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra_auto", mode="auto"))
+    mod = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra", mode="auto"))
     with pytest.raises(ConfigError, match="every 4-th calibration window.*only 3.*--data.num_samples"):
         mod.calibrate(_trainer(), TokenWindows(win.input_ids[:3], win.attention_mask[:3]), batch_size=4)
 
@@ -101,18 +97,18 @@ def test_auto_refuses_what_it_cannot_do(fitted):
     (REMOVED, {})])
 def test_fits_that_coincide_for_the_removed_blocks_are_fitted_and_judged_once(removed, same):
     """The fits :func:`coinciding_fits` skips are the same maps when fitted (so the choice is unchanged),
-    and ``lra_auto`` records which fit stood for which."""
+    and ``mode: auto`` records which fit stood for which."""
     from shift_lightning.calibration.auto import coinciding_fits
     from shift_lightning.calibration.sites import span_sites
 
-    assert coinciding_fits(LRAAuto.fits, span_sites(removed)) == same
+    assert coinciding_fits(LRA.fits, span_sites(removed)) == same
     if not same:
         return
     model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
     win = _windows(tok, n=8)
-    cfg = CalibrationConfig(solver="lra_auto", mode="auto", damping=1e-4, guard_topk=16)
+    cfg = CalibrationConfig(solver="lra", mode="auto", damping=1e-4, guard_topk=16)
     x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
-    modes = {f[0]: f[1:] for f in LRAAuto.fits}
+    modes = {f[0]: f[1:] for f in LRA.fits}
     for name, twin in same.items():
         maps = []
         for n in (name, twin):
@@ -126,7 +122,7 @@ def test_fits_that_coincide_for_the_removed_blocks_are_fitted_and_judged_once(re
     mod = CalibrationModule(copy.deepcopy(model), removed, cfg)
     mod.calibrate(_trainer(), win, batch_size=4)
     res = mod.fit_choice
-    assert res["same_as"] == same and list(res["kl"]) == [f[0] for f in LRAAuto.fits]
+    assert res["same_as"] == same and list(res["kl"]) == [f[0] for f in LRA.fits]
     assert all(res["kl"][n] == res["kl"][t] for n, t in same.items()) and res["chosen"] not in same
 
 
@@ -142,7 +138,7 @@ def _fit_joint(model, win, cfg, mode, removed=REMOVED):
 def fitted_joint(request):
     model, tok = build_tiny_model(request.param, num_hidden_layers=6, dtype=torch.float64)
     win = _windows(tok, n=8)
-    cfg = CalibrationConfig(solver="lra_replaceme_auto", mode="auto", damping=1e-4, guard_topk=16)
+    cfg = CalibrationConfig(solver="lra_replaceme", mode="auto", damping=1e-4, guard_topk=16)
     mod = CalibrationModule(copy.deepcopy(model), REMOVED, cfg)
     mod.calibrate(_trainer(), win, batch_size=4)
     return model, win, cfg, mod
@@ -154,14 +150,14 @@ def test_joint_auto_judges_each_walk_of_the_joint_map_with_both_halves_in_place(
     would score another model; the three fits genuinely differ."""
     model, win, cfg, mod = fitted_joint
     res = mod.fit_choice
-    assert list(res["kl"]) == [f[0] for f in LRAReplaceMeAuto.fits] and "same_as" not in res
+    assert list(res["kl"]) == [f[0] for f in LRAReplaceMe.fits] and "same_as" not in res
     assert res["chosen"] == min(res["kl"], key=lambda n: (res["kl"][n], list(res["kl"]).index(n)))
-    held = torch.arange(len(win)) % cfg.guard_every == cfg.guard_every - 1
+    held = torch.arange(len(win)) % cfg.heldout_every == cfg.heldout_every - 1
     fit_w = TokenWindows(win.input_ids[~held], win.attention_mask[~held])
     ids, mask = win.input_ids[held], win.attention_mask[held]
     with torch.no_grad():
         ref = topk_reference(model(input_ids=ids, attention_mask=mask).logits[mask.bool()], cfg.guard_topk)
-    for name, _, mode in LRAReplaceMeAuto.fits:
+    for name, _, mode in LRAReplaceMe.fits:
         m = _fit_joint(model, fit_w, cfg, mode)
         corr = m.correction("lra_replaceme")
         assert len(corr.branch_maps) == 2 and len(corr.adapters) == 2  # both spans have a block before them
@@ -175,22 +171,22 @@ def test_joint_auto_judges_each_walk_of_the_joint_map_with_both_halves_in_place(
             kls.append(kl_top1(logits, ref)[0].mean().item())
         assert res["kl"][name] == pytest.approx(kls[0], rel=1e-6, abs=1e-12), name
         assert abs(kls[1] - kls[0]) > 1e-6 * kls[0], name  # the branch map matters to the score
-    assert len({round(v, 12) for v in res["kl"].values()}) == len(LRAReplaceMeAuto.fits)
+    assert len({round(v, 12) for v in res["kl"].values()}) == len(LRAReplaceMe.fits)
 
 
 def test_joint_auto_maps_are_the_chosen_walk_refitted_on_all_windows(fitted_joint):
     model, win, cfg, mod = fitted_joint
-    name, _, mode = next(f for f in LRAReplaceMeAuto.fits if f[0] == mod.fit_choice["chosen"])
+    name, _, mode = next(f for f in LRAReplaceMe.fits if f[0] == mod.fit_choice["chosen"])
     want = _fit_joint(model, win, cfg, mode).correction("lra_replaceme")
     got = mod.correction()
-    assert got.solver == "lra_replaceme_auto"
+    assert got.solver == "lra_replaceme"
     assert set(got.adapters) == set(want.adapters) and set(got.branch_maps) == set(want.branch_maps) == {0, 2}
     x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
     for at in got.adapters:
         assert_close(got.adapters[at](x), want.adapters[at](x), rtol=1e-8, atol=1e-8)
     for at in got.branch_maps:
         assert_close(got.branch_maps[at], want.branch_maps[at], rtol=1e-8, atol=1e-10)
-    assert {r["maps"]["lra_replaceme_auto"] for r in mod.span_reports()} == {name}
+    assert {r["maps"]["lra_replaceme"] for r in mod.span_reports()} == {name}
     assert all(r["guard"]["chosen"] == name for r in mod.span_reports())
 
 
@@ -204,11 +200,11 @@ def test_joint_walks_that_coincide_are_fitted_and_judged_once(removed, same):
     from shift_lightning.calibration.auto import coinciding_fits
     from shift_lightning.calibration.sites import span_sites
 
-    assert coinciding_fits(LRAReplaceMeAuto.fits, span_sites(removed)) == same
+    assert coinciding_fits(LRAReplaceMe.fits, span_sites(removed)) == same
     model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
     win = _windows(tok, n=8)
-    cfg = CalibrationConfig(solver="lra_replaceme_auto", mode="auto", damping=1e-4, guard_topk=16)
-    modes = {f[0]: f[2] for f in LRAReplaceMeAuto.fits}
+    cfg = CalibrationConfig(solver="lra_replaceme", mode="auto", damping=1e-4, guard_topk=16)
+    modes = {f[0]: f[2] for f in LRAReplaceMe.fits}
     x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
     for name, twin in same.items():
         a, b = (_fit_joint(model, win, cfg, modes[n], removed).correction("lra_replaceme") for n in (name, twin))

@@ -322,10 +322,9 @@ def test_adapter_rank_is_checked_against_the_hidden_size(tiny64, tmp_path, caplo
     with pytest.raises(ConfigError, match=rf"rank {d + 1} exceeds the model's hidden size d = {d}.*null for full rank"):
         CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="lra", rank=d + 1))
     # a low rank, or a sequential fit, for a solver without one: both errors name the solvers to set
-    with pytest.raises(ConfigError, match=r"rank applies to the lra / .* / lra_replaceme / lra_replaceme_anchored / "
-                                          r"lra_replaceme_auto solvers, not to 'guarded_joint'.*"
+    with pytest.raises(ConfigError, match=r"rank applies to the lra / nobias / lra_replaceme( / \w+)* solvers, not to 'guarded'.*"
                                           r"--calibration.solver lra_replaceme \(the default\) or lra"):
-        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="guarded_joint", rank=8))
+        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="guarded", rank=8))
     with pytest.raises(ConfigError, match=r"mode sequential fits one solver of lra, .*lra_replaceme \(others fit the "
                                           r"original model\), got replaceme: set --calibration.solver lra_replaceme \(the default\) or lra"):
         CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="replaceme", mode="sequential"))
@@ -363,15 +362,20 @@ def _cli(*args, world=1, env_extra=None):
     return r
 
 
+#: Representative cases run by ``make test``; the others (``-m ddp_extra``) cover each mode of each solver.
+EXTRA = pytest.mark.ddp_extra
+
+
 @pytest.mark.parametrize("extra", [
-    [],
+    ["--prune.layers", "[0, 2, 3]"],  # the default joint map: a span with a branch before it, one without
     ["--calibration.solver", "lra", "--calibration.mode", "sequential", "--calibration.rank", "8", "--prune.layers", "null",
      "--prune.criterion", "angular", "--prune.ratio", "0.5"],  # data-driven selection under DDP too
-    ["--calibration.solver", "lra", "--calibration.mode", "anchored", "--calibration.granularity", "block", "--prune.layers", "[1, 3, 4]"],
-    ["--calibration.solver", "lra_auto", "--calibration.mode", "auto", "--prune.layers", "[1, 3, 4]"],
-    ["--calibration.solver", "lra_replaceme", "--prune.layers", "[0, 2, 3]"],  # a span with a branch before it, one without
-    ["--calibration.mode", "anchored", "--prune.layers", "[0, 2, 4]"],  # the joint map (default) walked: 3 spans
-    ["--calibration.solver", "lra_replaceme_auto", "--calibration.mode", "auto", "--prune.layers", "[1, 3, 4]"],
+    ["--calibration.mode", "auto", "--prune.layers", "[1, 3, 4]"],  # the joint map's fits judged on held-out windows
+    pytest.param([], marks=EXTRA),
+    pytest.param(["--calibration.solver", "lra", "--calibration.mode", "anchored", "--calibration.granularity", "block",
+                  "--prune.layers", "[1, 3, 4]"], marks=EXTRA),
+    pytest.param(["--calibration.solver", "lra", "--calibration.mode", "auto", "--prune.layers", "[1, 3, 4]"], marks=EXTRA),
+    pytest.param(["--calibration.mode", "anchored", "--prune.layers", "[0, 2, 4]"], marks=EXTRA),  # walked: 3 spans
 ])
 def test_ddp_two_processes_match_one(tmp_path, extra):
     _cli("--output_dir", str(tmp_path / "one"), *extra)
@@ -394,9 +398,9 @@ def test_ddp_guard_and_cosine_and_linear_fit_match_one_process(tmp_path):
     """The KL guard (a judge pass with one all-reduce per span), ReplaceMe's cosine fit (activations
     gathered in window order) and the linear_fit / linear_fit_kl criteria: 2 processes give what 1 gives."""
     reports = {}
-    for solver, criterion in (("guarded_span", "linear_fit"), ("replaceme_cosine", "linear_fit_kl")):
+    for solver, criterion in (("guarded", "linear_fit"), ("replaceme_cosine", "linear_fit_kl")):
         extra = ["--calibration.solver", solver, "--prune.layers", "null", "--prune.criterion", criterion,
-                 "--prune.ratio", "0.34", "--calibration.cosine_epochs", "2"]
+                 "--prune.ratio", "0.34", "--calibration.cosine_epochs", "2", "--calibration.guard_extra", "[span_lra]"]
         _cli("--output_dir", str(tmp_path / f"{solver}1"), *extra)
         _cli("--output_dir", str(tmp_path / f"{solver}2"), *extra, world=2)
         r1, r2 = (json.loads((tmp_path / f"{solver}{n}" / "calibration_report.json").read_text()) for n in (1, 2))
@@ -412,7 +416,7 @@ def test_ddp_guard_and_cosine_and_linear_fit_match_one_process(tmp_path):
         for k in w1:
             assert ((w1[k] - w2[k]).norm() / w1[k].norm().clamp_min(1e-12)).item() < 1e-5, (solver, k)
         reports[solver] = (r1, r2)
-    g1, g2 = ([s for s in r["spans"]] for r in reports["guarded_span"])
+    g1, g2 = ([s for s in r["spans"]] for r in reports["guarded"])
     assert [s["guard"]["chosen"] for s in g1] == [s["guard"]["chosen"] for s in g2]
     assert all(("lra@span" in s["guard"]["kl"]) == (len(s["blocks"]) > 1) for s in g1)  # span candidate
     for s1, s2 in zip(g1, g2):

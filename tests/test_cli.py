@@ -69,13 +69,11 @@ def test_calibrate_errors_are_one_line(tmp_path, capsys):
 
 def test_failed_solve_is_one_line(tmp_path, capsys, monkeypatch):
     from shift_lightning import stats
-    from shift_lightning.calibration.solvers import joint, ridge
 
     def failing(*a, **k):
         raise stats.SolveError("site 0 (blocks 2..2): Cholesky failed; raise --calibration.damping")
 
-    for solvers in (ridge, joint):  # the LRA family's and the default joint map's solve
-        monkeypatch.setattr(solvers, "ridge_solve", failing)
+    monkeypatch.setattr(stats, "ridge_solve", failing)  # every solver takes it from stats when it solves
     line = _one_line_error(cli.calibrate_main, ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"),
                                                 "--trainer.enable_progress_bar", "false"], capsys)
     assert "Cholesky failed; raise --calibration.damping" in line and not (tmp_path / "o").exists()
@@ -238,9 +236,9 @@ def test_progress_lines_name_their_stage_in_a_log_file():
 
 @pytest.mark.parametrize("solver, mode, stage", [
     ("guarded", "independent", "guard: closeness to the original on held-out windows, each candidate"),
-    ("lra_auto", "auto", "lra_auto: closeness of each fit on held-out windows, each fit")])
+    ("lra", "auto", "lra: closeness of each fit on held-out windows, each fit")])
 def test_the_judges_work_after_their_pass_shows_progress(solver, mode, stage):
-    """The guard's and lra_auto's judges run the candidates after the pass's own bar has closed (minutes per
+    """The guard's and mode auto's judges run the candidates after the pass's own bar has closed (minutes per
     span on a real model): that work has a progress of its own, one step per candidate or fit."""
     from shift_lightning.calibration import CalibrationConfig, CalibrationModule
     from shift_lightning.data import TextDataConfig, build_windows
@@ -253,7 +251,7 @@ def test_the_judges_work_after_their_pass_shows_progress(solver, mode, stage):
     mod = CalibrationModule(model, [1, 3, 4], CalibrationConfig(solver=solver, mode=mode, guard_topk=16))
     mod.calibrate(trainer, windows, batch_size=2)
     lines = [x for x in log.getvalue().splitlines() if f"] {stage}: " in x]
-    n = len(mod.fit_choice["kl"]) if solver == "lra_auto" else sum(len(r["guard"]["kl"]) for r in mod.span_reports())
+    n = len(mod.fit_choice["kl"]) if mode == "auto" else sum(len(r["guard"]["kl"]) for r in mod.span_reports())
     assert lines[0].endswith(f"{stage}: {n} steps"), log.getvalue()
     assert re.search(rf"{stage}: done, {n} steps in 0:00:\d\d", lines[-1]) and len(lines) == n + 1
 

@@ -300,42 +300,37 @@ def test_library_modules_stay_short_or_say_why():
     assert "shift_lightning/calibration/module.py" in _long_modules(limit=100)  # the check sees the package
 
 
-def test_solver_registry_and_config_choices_agree():
-    """Every registered solver is a valid ``--calibration.solver`` and the reverse (a new solver is one
-    file, one import line and its name in ``SolverName``)."""
+def test_solver_choices_are_the_registry_and_the_docs_list_them():
+    """``--calibration.solver``'s choices are read from the registry (its names written once, in the solver
+    classes); the configuration page lists each, with the default the config and the main job's config use."""
     import typing
 
-    from shift_lightning.calibration import SOLVERS, SolverName
-
-    assert set(typing.get_args(SolverName)) == set(SOLVERS)
-    for name, cls in SOLVERS.items():
-        assert cls.name == name and cls.label.startswith("+"), name
-    # ... and the README's table of flags lists each of them as a choice of --calibration.solver
-    assert _readme_choices("--calibration.*", "solver") == set(SOLVERS)
-
-
-def test_the_default_solver_is_the_one_the_readme_and_the_main_config_name():
-    """The default repair is stated in the README's table of flags, used by the main job's config, and is the
-    default the targets summary compares the other repairs with."""
     import yaml
 
-    from shift_lightning.calibration import CalibrationConfig
+    from shift_lightning.calibration import SOLVERS, CalibrationConfig, SolverName
 
+    product = {n for n, cls in SOLVERS.items() if cls.__module__.startswith("shift_lightning.")}  # not experiments'
+    assert set(typing.get_args(SolverName)) == product
+    for name, cls in SOLVERS.items():
+        assert cls.name == name and cls.label.startswith("+") and cls.description, name
+    row = _docs_row("solver")
+    listed = {n.strip(" `").removesuffix(" (default)").strip(" `") for n in row.split("|")[2].split(",")}
+    assert listed == product
     default = CalibrationConfig().solver
-    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `--calibration.*`"))
-    assert "`solver` (" in row and row.split("`solver` (", 1)[1].split(")", 1)[0].split("; ")[1] == f"default `{default}`"
+    assert f"`{default}` (default)" in row
     main = yaml.safe_load((ROOT / "configs" / "smollm2_reverse_star.yaml").read_text())
     assert main["calibration"]["solver"] == default
 
 
-def _readme_choices(group: str, field: str) -> set[str]:
-    """The choices the README's table of flags lists for ``field`` in the row of ``group``."""
-    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| `{group}`"))
-    listed = row.split(f"`{field}` (", 1)[1].split(")", 1)[0].split(";", 1)[0]  # "; default …" after the choices
-    return {n.strip(" `") for n in listed.split(",")}
+def _docs_row(knob: str) -> str:
+    """The row of ``knob`` in docs/configuration.md's table of ``--calibration.*``."""
+    return next(line for line in (ROOT / "docs" / "configuration.md").read_text().splitlines()
+                if line.startswith(f"| `{knob}` |"))
 
 
-def test_readme_lists_every_criterion():
+def test_the_docs_list_every_criterion():
     from shift_lightning.criteria.base import CRITERIA
 
-    assert _readme_choices("--prune.*", "criterion") == set(CRITERIA)
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    para = text.split("## `--prune.*`", 1)[1].split("##", 1)[0]
+    assert {c for c in CRITERIA if f"`{c}`" not in para} == set()

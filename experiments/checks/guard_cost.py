@@ -21,7 +21,8 @@ import _common as C
 
 import torch  # noqa: E402
 
-from shift_lightning.calibration import SOLVERS, CalibrationConfig, CalibrationModule  # noqa: E402
+from shift_lightning.calibration import CalibrationConfig, CalibrationModule  # noqa: E402
+from experiments import variants  # noqa: E402
 from shift_lightning.calibration.sites import make_sites  # noqa: E402
 from shift_lightning.criteria import PruneConfig  # noqa: E402
 from shift_lightning.data import TextDataConfig, build_windows  # noqa: E402
@@ -55,8 +56,9 @@ def main(argv=None):
             for solver in solvers:
                 m = copy.deepcopy(model)
                 t0 = time.perf_counter()
-                mode = SOLVERS[solver].mode or "independent"  # lra_anchored, lra_auto: their own mode
-                mod = CalibrationModule(m, layers, CalibrationConfig(solver=solver, mode=mode, heldout=False))
+                mode = variants.mode_of(solver)  # lra_anchored, lra_auto: their own mode
+                mod = CalibrationModule(m, layers, CalibrationConfig(mode=mode, heldout=False),
+                                        solvers=variants.knobs([solver]))
                 mod.calibrate(trainer, calib, batch_size=4)
                 times[solver].append(time.perf_counter() - t0)
                 if solver.startswith("guarded"):

@@ -14,16 +14,15 @@ import os
 import shlex
 from pathlib import Path
 
-from shift_lightning.calibration import SOLVERS
-from shift_lightning.calibration.solvers.guard import Guarded
+from experiments.variants import LABELS as VARIANT_LABELS, solver_of
 from shift_lightning.outputs import write_file_atomic, write_json_atomic, write_text_atomic
 from experiments.tables.common import TASK_LABELS, blocks_label, fmt_ci, fmt_diff, fmt_kl, fmt_ppl, set_label
 
 log = logging.getLogger(__name__)
 
-LABELS = {"original": "original", "pruned": "pruned", **{n: cls.label for n, cls in SOLVERS.items()}}
-#: The KL guards (solvers that choose a map per span), in registry order.
-GUARDS = tuple(n for n, cls in SOLVERS.items() if issubclass(cls, Guarded))
+LABELS = {"original": "original", "pruned": "pruned", **VARIANT_LABELS}
+#: The KL guard's variants (they choose a map per span).
+GUARDS = tuple(n for n in VARIANT_LABELS if solver_of(n) == "guarded")
 #: Peers of the LRA in the comparisons (and the two ReplaceMe variants, whose better one is "ReplaceMe").
 PEERS = ("lra_span", "lra_anchored", "lra_auto", "lra_replaceme", "lra_replaceme_anchored", "lra_replaceme_auto",
          "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch", "lra_guard", "guarded", "guarded_span",
@@ -206,7 +205,7 @@ def markdown(rows: list[dict], info: dict, criteria: list[str], variants: list[s
     if info.get("refit"):
         lines += ["", "Every map is followed by the guarded kept-block re-fit (`--refit_kept`: the first k kept blocks "
                   "after each span re-fitted in closed form, each kept only if closer to the original on every "
-                  f"{c.get('guard_every', 4)}th calibration window; `shift_lightning/keptfit.py`). Kept of tried: "
+                  f"{c.get('heldout_every', 4)}th calibration window; `shift_lightning/keptfit.py`). Kept of tried: "
                   + "; ".join(f"{crit} {', '.join(map(str, x['kept'])) or 'none'} of {', '.join(map(str, x['tried']))}"
                               f" (k = {x['k']}, δ = {x['damping']:g})" for crit, x in info["refit"].items()) + "."]
     if info.get("pruned_from"):

@@ -544,7 +544,7 @@ def test_a_criterion_with_the_same_blocks_reuses_the_run_and_recomputing_it_give
     assert RunFolder(folder).read("taylor/lra")["reused_from"] == "reverse_star/lra"  # the root, not a copy
     # a run older than a setting (no such key in its config) has that setting's default; on another device too
     old = RunFolder(folder).read("reverse_star/lra")
-    del old["config"]["guard_every"], old["config"]["kl_docs"]
+    del old["config"]["heldout_every"], old["config"]["kl_docs"]
     old["closeness_added"] = {"eval": {"kl_docs": 50}}
     RunFolder(folder).write("reverse_star/lra", old)
     (folder / "taylor" / "lra.json").unlink()

@@ -4,15 +4,13 @@
 ``config``         :class:`CalibrationConfig`: every ``--calibration.*`` knob
 ``sites``          sites, spans, pruned positions (framework-free)
 ``collect``        what one pass gathers per site (hooks, ONE flat float64 buffer, held-out copies)
-``solvers/``       the maps, one file a family, one registry: ``lra``, ``lra_span``, ``lra_anchored``,
-                   ``lra_auto``, ``nobias``, ``affine``, ``lra_guard`` (ridge.py), ``replaceme``,
-                   ``replaceme_cosine`` (replaceme.py), ``lra_replaceme``, ``lra_replaceme_anchored``,
-                   ``lra_replaceme_auto`` (joint.py), ``linearpatch``, ``guarded`` (guard.py, judged
-                   by :mod:`.judge`)
+``solvers/``       the methods, one file a family, one registry: ``lra``, ``nobias`` (ridge.py), ``replaceme``,
+                   ``replaceme_cosine`` (replaceme.py), ``lra_replaceme`` (joint.py), ``linearpatch``,
+                   ``guarded`` (guard.py, judged by :mod:`.judge`); how each is fitted are knobs (config)
 ``solve``          solves shared out among ranks, broadcast
 ``sequential``     the GPTQ-style sequential pass (and ``anchored``)
-``auto``           ``lra_auto`` / ``lra_replaceme_auto``: each way of fitting the LRA / the joint map judged
-                   on held-out windows, the closest kept
+``auto``           ``mode: auto``: each way of fitting the LRA / the joint map judged on held-out windows,
+                   the closest kept
 ``maps``           solutions → adapters / branch maps per span → :class:`Correction`
 ``module``         :class:`CalibrationModule`, the Lightning glue
 =================  ======================================================================================

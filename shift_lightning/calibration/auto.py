@@ -1,5 +1,5 @@
-"""``--calibration.mode auto`` (solvers ``lra_auto`` and ``lra_replaceme_auto``): which way of fitting the
-LRA (or the joint map) keeps the pruned model closest to the original, judged on held-out calibration windows.
+"""``--calibration.mode auto`` (solvers ``lra`` and ``lra_replaceme``): which way of fitting the LRA (or the joint
+map) keeps the pruned model closest to the original, judged on held-out calibration windows.
 
 No one way of fitting wins everywhere. On SmolLM2-135M's held-out calibration windows the span LRA
 fitted ``anchored`` (each span from the corrected pruned state to the original's state at its end) is
@@ -7,8 +7,8 @@ the closest under the criteria that keep the first blocks (Taylor, magnitude-L2,
 / 0.525 against 0.594 / 0.751 / 0.582 fitted independently) and the furthest where block 0 or 1 is
 removed (random 1.185 against 1.066, magnitude-L1 1.338 against 1.034), and the evaluated sets agree
 (``results/bench/anchored_check_smollm2.md``). So this mode does not guess: every
-``guard_every``-th calibration window is held out (the guards' split), each fit of
-:attr:`~shift_lightning.calibration.solvers.ridge.LRAAuto.fits` is made on the others, the pruned
+``heldout_every``-th calibration window is held out (the guards' split), each fit of
+:attr:`~shift_lightning.calibration.solvers.ridge.LRA.fits` is made on the others, the pruned
 model is run on the held-out windows with each fit's maps in place (:class:`FitJudge`) and the fit
 with the lowest mean next-token ``KL(original ‖ model)`` (the original's top-``guard_topk``; ties go to
 the earlier fit, the paper's per-block LRA first) is refitted on all windows. The choice is per run,
@@ -20,8 +20,8 @@ held-out windows, and the chosen fit once more on all windows (about 4.5 LRA cal
 are the same maps for the removed blocks (:func:`coinciding_fits`: with one span the three span modes;
 with only one-block spans the per-block and the span LRA) are fitted and judged once.
 
-``lra_replaceme_auto`` does the same for the joint map
-(:class:`~shift_lightning.calibration.solvers.joint.LRAReplaceMeAuto`: independent, sequential, anchored; each
+``lra_replaceme`` in ``mode: auto`` does the same for the joint map
+(:attr:`~shift_lightning.calibration.solvers.joint.LRAReplaceMe.fits`: independent, sequential, anchored; each
 fit's maps are an adapter and ReplaceMe's branch map, judged with both in place): with one span it is the joint
 map, judged once; otherwise three fits on 1 − 1/k of the windows, the judge pass and the refit (4.19× the joint
 map's calibration time on SmolLM2, Taylor's blocks: ``results/bench/auto_cost_joint_smollm2.md``).
@@ -47,10 +47,10 @@ class FitJudge(GuardJudge):
     block before the first span), judging whole corrections: ``fits[name][span.key]`` is fit
     ``name``'s map at each span; all spans are in place at once."""
 
-    stage = "lra_auto: closeness of each fit on held-out windows"
+    stage = "mode auto: closeness of each fit on held-out windows"
 
     def __init__(self, model, removed: list[int], spans, fits: dict[str, dict], topk: int = 64,
-                 solver: str = "lra_auto"):
+                 solver: str = "lra"):
         super().__init__(model, removed, spans, candidates={}, default={}, topk=topk)
         self.fits = fits
         self.stage = f"{solver}: closeness of each fit on held-out windows"
@@ -96,13 +96,13 @@ def coinciding_fits(fits, spans) -> dict[str, str]:
 
 
 def choose_fit(module, trainer, windows: TokenWindows, heldout: TokenWindows | None, batch_size: int = 4) -> dict:
-    """Fill ``module`` (a :class:`~shift_lightning.calibration.CalibrationModule` of a ``mode: auto`` solver,
-    ``lra_auto`` or ``lra_replaceme_auto``) with the chosen fit's maps; returns the judgement (also
-    ``module.reports[span]["guards"][solver]``)."""
-    cfg, name = module.cfg, module.primary
+    """Fill ``module`` (a :class:`~shift_lightning.calibration.CalibrationModule` in ``mode: auto``, solver ``lra``
+    or ``lra_replaceme``) with the chosen fit's maps; returns the judgement (also
+    ``module.reports[span]["guards"][key]``)."""
+    name = module.primary
     solver = module.solvers[name]
-    base = solver.fit_solver
-    k = cfg.guard_every
+    cfg, base = solver.cfg, solver.name
+    k = cfg.heldout_every
     held = torch.tensor([i % k == k - 1 for i in range(len(windows))], dtype=torch.bool)
     if not held.any() or held.all():
         raise ConfigError(f"--calibration.mode auto holds out every {k}-th calibration window, but there are only "
@@ -137,10 +137,6 @@ def choose_fit(module, trainer, windows: TokenWindows, heldout: TokenWindows | N
     log.info("%s: held-out KL %s: refitting %s on all %d windows", name,
              ", ".join(f"{n} {v:.4f}" for n, v in res["kl"].items()), chosen[0], len(windows))
     final = fitted(chosen[1], chosen[2], windows, heldout)
-    module._chosen[name] = {sp.key: replace(final.span_map(base, sp), source=chosen[0]) for sp in module.spans}
-    module.sites = final.sites  # where the maps were fitted (blocks or spans), with their errors
-    module.reports.update({key: dict(rep) for key, rep in final.reports.items()})
-    for sp in module.spans:
-        module.reports[sp.key].setdefault("guards", {})[name] = res
-    module.fit_choice = res
+    module.adopt(name, {sp.key: replace(final.span_map(base, sp), source=chosen[0]) for sp in module.spans},
+                 {sp.key: res for sp in module.spans}, fitted=final, choice=res)
     return res

@@ -15,7 +15,7 @@ all-reduce syncs every site on N ranks) and installs forward hooks that fill the
            ReplaceMe's cosine objective); gathered from every rank in window order, not summed
 =========  =============================================================================================
 
-With ``holdout_every = k`` every k-th window (``index % k == k − 1``) is *also* added into held-out
+With ``heldout_every = k`` every k-th window (``index % k == k − 1``) is *also* added into held-out
 copies of ``io`` and ``branch`` (``held_io``, ``held_branch``): the guards fit on the rest
 (:meth:`SiteStatistics.fitting`) and judge on those. Padding tokens never reach a sum. The hook at
 the last site's block raises :class:`StopForward`: the pass never runs further than it needs.
@@ -125,13 +125,13 @@ class Collector:
     of the same blocks ``[start, end)`` share one :class:`SiteStatistics`), see the module doc."""
 
     def __init__(self, dim: int, plan: list[tuple[Site, set[str]]], accum_dtype: str = "float64",
-                 holdout_every: int | None = None, max_rows: int = 262144):
+                 heldout_every: int | None = None, max_rows: int = 262144):
         merged: dict[tuple[int, int], tuple[Site, set[str]]] = {}
         for site, needs in plan:
             merged.setdefault(site.key, (site, set()))[1].update(needs)
         self.plan = {site: needs for site, needs in merged.values()}
         self.dim, self.accum = dim, accum_dtype
-        self.holdout_every, self.max_rows = holdout_every, max_rows
+        self.heldout_every, self.max_rows = heldout_every, max_rows
         self.stats: dict[tuple[int, int], SiteStatistics] = {}
         self.flat = torch.zeros(0, dtype=torch.float64)
         self._mask: torch.Tensor | None = None
@@ -143,8 +143,8 @@ class Collector:
         total = 0
         for site, needs in self.plan.items():
             total += nr * ("io" in needs) + nr * ("branch" in needs and site.start >= 1) + ns * ("scale" in needs)
-            total += nj * ("joint" in needs and site.start >= 1) * (2 if self.holdout_every else 1)
-            if self.holdout_every:
+            total += nj * ("joint" in needs and site.start >= 1) * (2 if self.heldout_every else 1)
+            if self.heldout_every:
                 total += nr * ("io" in needs) + nr * ("branch" in needs and site.start >= 1)
         return total
 
@@ -164,14 +164,14 @@ class Collector:
             st = SiteStatistics(site)
             if "io" in needs:
                 st.io = ridge(site.name)
-                if self.holdout_every:
+                if self.heldout_every:
                     st.held_io = ridge(site.name + " [held-out windows]")
             if "branch" in needs and site.start >= 1:
                 st.branch = ridge(site.name + " [MLP branch]")
-                if self.holdout_every:
+                if self.heldout_every:
                     st.held_branch = ridge(site.name + " [MLP branch, held-out windows]")
             if "joint" in needs and site.start >= 1:
-                copies = [("joint", "")] + ([("held_joint", ", held-out windows")] if self.holdout_every else [])
+                copies = [("joint", "")] + ([("held_joint", ", held-out windows")] if self.heldout_every else [])
                 for attr, tag in copies:
                     nj = RidgeStats.numel(2 * self.dim, self.dim)
                     setattr(st, attr, RidgeStats(2 * self.dim, f"{site.name} [input and MLP branch{tag}]",
@@ -232,8 +232,8 @@ class Collector:
                 y = block_output(output)
                 m = self._mask
                 held_mask = None
-                if self.holdout_every and self._windows is not None:
-                    k = self.holdout_every
+                if self.heldout_every and self._windows is not None:
+                    k = self.heldout_every
                     held_mask = m & ((self._windows % k) == k - 1).to(m.device)[:, None]
                 for st in group:
                     x = inputs[st.site.start]

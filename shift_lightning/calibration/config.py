@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import ConfigError
+from .solvers import SOLVERS
 
 log = logging.getLogger(__name__)
 
-#: The registered solvers (:mod:`shift_lightning.calibration.solvers`), as the config's choices.
-#: ``tests/test_structure.py`` checks that this list and the registry agree.
-SolverName = Literal["lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "affine", "replaceme", "replaceme_cosine",
-                     "lra_replaceme", "lra_replaceme_anchored", "lra_replaceme_auto", "linearpatch", "lra_guard",
-                     "guarded", "guarded_span", "guarded_joint"]
+#: The config's choices of ``--calibration.solver``: the registry's names (:mod:`shift_lightning.calibration.solvers`,
+#: where each solver's one-line description is), read when this module is imported.
+SolverName = Literal[tuple(SOLVERS)]  # type: ignore[valid-type]
+
+#: Extra candidates the guard may choose (``--calibration.guard_extra``).
+GuardExtra = Literal["span_lra", "lra_replaceme"]
 
 
 @dataclass
@@ -23,31 +26,20 @@ class CalibrationConfig:
     """How the maps that replace removed blocks are fitted."""
 
     solver: SolverName = "lra_replaceme"
-    """The map (default ``lra_replaceme``, by the README's switch rule: the closest repair of both grids at
-    1.00–1.09× the LRA's calibration time; low rank with ``rank``, walked with ``mode: sequential / anchored``):
-    ``lra`` (y = x + xWᵀ + b, the paper's LRA), ``lra_span`` (the LRA fitted once per
-    contiguous span, = ``lra`` with ``granularity: span``), ``lra_anchored`` (the span LRA fitted in
-    ``mode: anchored``, to the original's state at the span's end), ``lra_auto`` (with ``mode: auto``:
-    the LRA per block and per span fitted independently, sequentially and anchored without the held-out
-    windows, the fit closest to the original on them refitted on all windows), ``nobias`` (y = x + xWᵀ, Ghosted Layers),
-    ``affine`` (y = xAᵀ + c, no identity path; ablation), ``replaceme`` (ReplaceMe's least-squares map
-    folded into the last kept block's MLP), ``replaceme_cosine`` (ReplaceMe's cosine-objective map,
-    Adam on cached activations: its strongest training-free variant), ``lra_replaceme`` (the span LRA
-    and ReplaceMe's branch map fitted together, one ridge on ``[x, m]``), ``lra_replaceme_anchored`` (that map
-    fitted in ``mode: anchored``), ``lra_replaceme_auto`` (with ``mode: auto``: that map fitted independently,
-    sequentially and anchored without the held-out windows, the closest there refitted), ``linearpatch`` (LinearPatch's
-    P = H D Hᵀ), ``lra_guard`` (the LRA with its ridge strength chosen per site by held-out
-    reconstruction error), ``guarded`` (per span the map among none / the LRA along its ridge path /
-    no bias / ReplaceMe that keeps the model closest to the original on held-out calibration
-    windows, by next-token KL), ``guarded_span`` (the same guard, with one LRA fitted to each whole span
-    of two or more blocks as one more candidate), ``guarded_joint`` (``guarded_span`` with ``lra_replaceme``
-    as one more candidate)."""
+    """The method that fits the maps (default ``lra_replaceme``: the closest of both grids at 1.00–1.09× the LRA's
+    calibration time, ``docs/results.md``): ``lra`` (the paper's LRA, y = x + xWᵀ + b), ``lra_replaceme`` (one LRA per
+    removed span and ReplaceMe's map on the branch before it, fitted together), ``nobias`` (y = x + xWᵀ, Ghosted
+    Layers), ``replaceme`` / ``replaceme_cosine`` (ReplaceMe's map folded into the last kept block's MLP: least
+    squares / its cosine objective), ``linearpatch`` (P = H D Hᵀ), ``guarded`` (per span, the map closest to the
+    original on held-out calibration windows). How it is fitted are the knobs below (``granularity``, ``mode``,
+    ``rank``, ``guard_extra``); ``docs/configuration.md`` spells the retired names (``lra_span``, ``lra_auto``, …)
+    with them."""
     mode: Literal["independent", "sequential", "anchored", "auto"] = "independent"
     """``independent`` (one pass of the original model), ``sequential`` (each site sees the corrected
     pruned model's hidden states; about one pass in all, block by block) or ``anchored`` (sequential, and
     each site fitted to the original model's state at its end, so that it also undoes earlier drift);
-    ``auto`` (solvers ``lra_auto`` and ``lra_replaceme_auto`` only): each of those fits tried, the closest to the
-    original on the held-out calibration windows (every ``guard_every``-th) kept."""
+    ``auto`` (solvers ``lra`` and ``lra_replaceme``): each of those fits tried, the closest to the original on the
+    held-out calibration windows (every ``heldout_every``-th) kept."""
     granularity: Literal["block", "span"] = "block"
     """``block``: one map per removed block (merged afterwards); ``span``: one per contiguous run."""
     rank: int | None = None
@@ -65,9 +57,12 @@ class CalibrationConfig:
     (see :mod:`shift_lightning.stats`; errors and speed: ``benchmarks/calibration.py --accum``)."""
     heldout: bool = True
     """Also measure every site's relative residual error on the held-out windows."""
-    guard_every: int = 4
-    """``lra_guard`` / ``guarded``: every k-th calibration window is held out of the fit and judges
+    heldout_every: int = 4
+    """``guarded``, ``mode: auto`` and ``refit_kept``: every k-th calibration window is held out of the fit and judges
     the candidates; the chosen map is then refitted on all windows."""
+    guard_extra: list[GuardExtra] = field(default_factory=list)
+    """``guarded``: more candidates per span of two or more blocks: ``span_lra`` (one LRA fitted to the whole span)
+    and ``lra_replaceme`` (the joint map)."""
     guard_path: list[float] | None = None
     """``guarded``: the LRA's ridge path, relative dampings tried besides none / no bias / ReplaceMe
     (``null``: ``[damping, 1e-2, 1, 100]``)."""
@@ -92,7 +87,7 @@ class CalibrationConfig:
     block after it) in closed form
     (:mod:`shift_lightning.keptfit`): their linear layers absorb the stream's drift, each by one ridge regression
     towards its own weights on the calibration windows; block by block, a re-fit is kept only if it brings the model
-    closer to the original on the held-out calibration windows (every ``guard_every``-th; KL over the original's
+    closer to the original on the held-out calibration windows (every ``heldout_every``-th; KL over the original's
     top ``guard_topk``), then the kept ones are re-fitted on all windows. 0 (default): off. Llama layout only
     (Gemma3's norms between branch and stream are refused: measured to hurt). No parameters are added, but those
     blocks' weights change: a full save holds them, an adapter-only save (``train.py``'s) stores them beside the
@@ -129,8 +124,12 @@ class CalibrationConfig:
             raise ConfigError(f"--calibration.damping must be a finite number > 0, got {self.damping}")
         if self.rank is not None and self.rank < 1:
             raise ConfigError(f"--calibration.rank must be >= 1 or null (full rank), got {self.rank}")
-        if self.guard_every < 2:
-            raise ConfigError(f"--calibration.guard_every must be >= 2 (every k-th window held out), got {self.guard_every}")
+        if self.heldout_every < 2:
+            raise ConfigError(f"--calibration.heldout_every must be >= 2 (every k-th window held out), got "
+                              f"{self.heldout_every}")
+        bad = [x for x in self.guard_extra if x not in typing.get_args(GuardExtra)]
+        if bad:
+            raise ConfigError(f"--calibration.guard_extra {bad}: choose from {list(typing.get_args(GuardExtra))}")
         if not self.ridge_path() or any(not (math.isfinite(x) and x > 0) for x in self.ridge_path()):
             raise ConfigError(f"--calibration.guard_path must be finite relative dampings > 0, got {self.guard_path}")
         if self.guard_ranks is not None and any(isinstance(r, bool) or not isinstance(r, int) or r < 1

@@ -5,7 +5,10 @@
 
 It receives a built model and the original indices of the blocks to remove (it never prunes:
 :func:`~shift_lightning.surgery.remove_blocks` does); ``solvers`` (default ``[cfg.solver]``) are
-fitted from the same pass. Afterwards :meth:`correction` gives what a solver does to the pruned
+fitted from the same pass: solver names, or ``{key: {knob: value}}`` to fit several configurations of the
+solvers side by side from one pass (a grid's variants, e.g. ``{"lra": {}, "lra_span": {"solver": "lra",
+"granularity": "span"}}``; the knobs replace ``cfg``'s fields, ``solver`` defaults to the key; all share ``cfg``'s
+``mode``). Afterwards :meth:`correction` gives what a solver does to the pruned
 model, :attr:`solutions` the fitted maps, :attr:`reports` the per-site errors.
 """
 
@@ -26,13 +29,13 @@ from ..stats import Solution
 from .collect import Collector, SiteStatistics, StopForward
 from .config import CalibrationConfig
 from .auto import choose_fit
-from .judge import GuardJudge
+from .guarding import GuardChoice
 from .maps import Correction, SpanMap, adapter_from, as_affine, assemble, chain
 from .sequential import SequentialWalk
 from .sites import Site, make_sites, sites_in, span_sites
 from .solve import Job, solve_shared
 from .solvers import SOLVERS, Solver, get_solver
-from .solvers.guard import Candidate, Guarded
+from .solvers.guard import Guarded
 from .solvers.joint import span_delta_map
 
 
@@ -43,18 +46,19 @@ class CalibrationModule(DataPass):
     stage = "calibration statistics"
 
     def __init__(self, model: nn.Module, removed: list[int], cfg: CalibrationConfig | None = None,
-                 solvers: list[str] | None = None):
+                 solvers: list[str] | dict[str, dict] | None = None):
         super().__init__()
         self.model = model
         self.cfg = cfg = cfg or CalibrationConfig()
         cfg.validate()
-        self.requested = list(dict.fromkeys(solvers or [cfg.solver]))
-        self.solvers: dict[str, Solver] = {n: get_solver(n, cfg) for n in self.requested}
+        self.solvers: dict[str, Solver] = self._configured(solvers if isinstance(solvers, dict)
+                                                           else {n: {} for n in solvers or [cfg.solver]})
+        self.requested = list(self.solvers)
         for name in self.requested:
             for inner in self.solvers[name].wraps:
                 self.solvers.setdefault(inner, get_solver(inner, cfg))
         if cfg.mode != "independent" and (len(self.requested) > 1 or not self.solvers[self.requested[0]].sequential):
-            able = ", ".join(n for n, c in SOLVERS.items() if c.sequential and c.mode in (None, cfg.mode))
+            able = ", ".join(n for n, c in SOLVERS.items() if c.sequential)
             raise ConfigError(f"--calibration.mode {cfg.mode} fits one solver of {able} (others fit the original model), got "
                               f"{', '.join(self.requested)}: set --calibration.solver lra_replaceme (the default) or lra")
         self.removed = sorted(removed)
@@ -73,7 +77,19 @@ class CalibrationModule(DataPass):
         self._walk: SequentialWalk | None = None
         self._on_site = None
         self.solve_seconds = 0.0
-        self.fit_choice: dict | None = None  # lra_auto: the held-out judgement of its fits
+        self.fit_choice: dict | None = None  # mode auto: the held-out judgement of its fits
+
+    def _configured(self, variants: dict[str, dict]) -> dict[str, Solver]:
+        """``key -> solver``, each configured by ``cfg`` with its own knobs (see the module doc)."""
+        out = {}
+        for key, knobs in variants.items():
+            cfg = replace(self.cfg, **knobs) if knobs else self.cfg
+            if cfg.mode != self.cfg.mode:
+                raise ConfigError(f"{key!r} is fitted in --calibration.mode {cfg.mode}, this pass in {self.cfg.mode}: "
+                                  "fit it in a calibration of its own")
+            cfg.validate()
+            out[key] = get_solver(knobs.get("solver", key), cfg, key)
+        return out
 
     @property
     def primary(self) -> str:
@@ -112,7 +128,7 @@ class CalibrationModule(DataPass):
             self._walk.walk(self.device, self._on_site, lambda t: sum_across_ranks(t, self.trainer))
 
     def _collect(self, trainer, windows, batch_size, plan, stage, holdout=False):
-        self._collector = Collector(self.dim, plan, self.cfg.accum_dtype, self.cfg.guard_every if holdout else None,
+        self._collector = Collector(self.dim, plan, self.cfg.accum_dtype, self.cfg.heldout_every if holdout else None,
                                     self.cfg.cosine_max_tokens)
         self.stage = stage
         self.run(trainer, windows, batch_size)
@@ -155,15 +171,15 @@ class CalibrationModule(DataPass):
             self.statistics = self._collect(trainer, windows, batch_size, plan, "calibration statistics", holdout)
             self.solve()
             for name in self.guards:
-                self._guard(name, trainer, windows, batch_size)
+                GuardChoice(self, name).run(trainer, windows, batch_size)
         else:
             solver = self.solvers[self.primary]
 
             def fit_site(site, stats):
                 self.statistics[site.key] = stats
-                sol = solve_shared([Job(solver.name, site, solver, stats)], self.dim, stats.io.buffer.device)[0]
+                sol = solve_shared([Job(solver.key, site, solver, stats)], self.dim, stats.io.buffer.device)[0]
                 self._store(solver, site, sol, stats)
-                return self.adapter(solver.name, site), sol.T
+                return self.adapter(solver.key, site), sol.T
 
             self._sequential(trainer, windows, batch_size, fit_site, f"calibration statistics ({self.cfg.mode})")
         self.solve_seconds = time.time() - t0
@@ -174,26 +190,24 @@ class CalibrationModule(DataPass):
     def solve(self) -> list[Site]:
         """(Re)solve every solver from the statistics held now, e.g. statistics summed over several
         passes (:meth:`add_statistics`) or reused with another damping or rank."""
-        jobs = [Job(s.name, t, s, self.statistics[t.key]) for s in self._fittable() for t in self._targets(s)]
+        jobs = [Job(s.key, t, s, self.statistics[t.key]) for s in self._fittable() for t in self._targets(s)]
         for job in jobs:  # collectives first, on every rank: a solve then runs on its owner alone
             if job.stats.rows is not None:
                 job.stats.rows.gather()
-        device = next((st.io or st.branch or st.scale).buffer.device for st in self.statistics.values()
-                      if (st.io or st.branch or st.scale) is not None)
-        for job, sol in zip(jobs, solve_shared(jobs, self.dim, device)):
+        for job, sol in zip(jobs, solve_shared(jobs, self.dim, self.stats_device)):
             self._store(job.solver, job.site, sol, job.stats)
         return self.sites
 
     def _store(self, solver: Solver, site: Site, sol: Solution, stats: SiteStatistics) -> None:
-        self.solutions[solver.name][site.key] = sol
-        self._adapters.pop((solver.name, site.key), None)
+        self.solutions[solver.key][site.key] = sol
+        self._adapters.pop((solver.key, site.key), None)
         st, (Wd, bd) = solver.fitted_on(sol, stats)
         entry = {"lam": sol.lam, **sol.info}
         if st is not None:
             entry.update(calib_rel_error=st.relative_error(Wd, bd), calib_tokens=st.num_tokens, accum=st.scheme)
         rep = self.reports[site.key]
-        rep.setdefault("solvers", {}).setdefault(solver.name, {}).update(entry)
-        if solver.name == self.primary:
+        rep.setdefault("solvers", {}).setdefault(solver.key, {}).update(entry)
+        if solver.key == self.primary:
             rep.update({k: v for k, v in entry.items() if k in ("calib_rel_error", "calib_tokens", "lam", "accum")})
 
     def add_statistics(self, other: "CalibrationModule") -> None:
@@ -211,74 +225,26 @@ class CalibrationModule(DataPass):
                     setattr(mine, field_, RidgeStats(t.dim, t.name, device=t.buffer.device, out_dim=t.out_dim))
                 getattr(mine, field_).buffer += t.buffer
 
-    # ---------------------------------------------------------------- the guard
-    def _candidate_solver(self, c: Candidate):
-        cfg = replace(self.cfg, damping=self.cfg.damping if c.damping is None else c.damping, rank=c.rank)
-        return get_solver(c.solver, cfg)
+    def adopt(self, name: str, maps: dict[tuple[int, int], SpanMap], judgements: dict[tuple[int, int], dict],
+              fitted: "CalibrationModule | None" = None, choice: dict | None = None) -> None:
+        """Take maps chosen outside this module by a selection layer (the guard, :mod:`.guarding`; ``mode: auto``,
+        :mod:`.auto`): ``maps[span.key]`` become solver ``name``'s maps, ``judgements[span.key]`` is filed under the
+        span's ``guards``; ``fitted``: the calibration that fitted them (its sites and errors are taken too);
+        ``choice``: one judgement for the whole run (:attr:`fit_choice`)."""
+        self._chosen[name] = maps
+        if fitted is not None:
+            self.sites = fitted.sites
+            self.reports.update({key: dict(rep) for key, rep in fitted.reports.items()})
+        for sp in self.spans:
+            self.reports[sp.key].setdefault("guards", {})[name] = judgements[sp.key]
+        if choice is not None:
+            self.fit_choice = choice
 
-    def _candidate(self, c: Candidate, span: Site, sols: dict) -> SpanMap | None:
-        if c.solver is None:
-            return SpanMap(span, source=c.name)
-        s = self._candidate_solver(c)
-        if s.placement == "branch":
-            sol = sols.get((c.name, span.key))
-            return None if sol is None else SpanMap(span, branch=sol.W.T, source=c.name)
-        targets = self._candidate_targets(c, s, span)
-        if not targets:  # a span-level LRA at a one-site span
-            return None
-        dtype = next(self.model.parameters()).dtype
-        parts = [adapter_from(sols[(c.name, t.key)], s.bias, dtype, s.rank(self.dim)) for t in targets]
-        branch = sols[(c.name, span.key)].T if s.per_span else None  # the joint map's half before the span
-        return SpanMap(span, adapter=chain(parts, self.cfg.merge), branch=branch, source=c.name)
-
-    def _candidate_targets(self, c: Candidate, s: Solver, span: Site) -> list[Site]:
-        """Where ``c`` is fitted in ``span``: the span, its sites, or nowhere (a span LRA at one site = the site fit)."""
-        sites = sites_in(span, self.sites)
-        if c.span:
-            return [] if [t.key for t in sites] == [span.key] else [span]
-        return [span] if s.per_span else sites
-
-    def _guard_jobs(self, choices: list[Candidate], fitting: bool) -> dict:
-        jobs = []
-        for c in choices:
-            if c.solver is None:
-                continue
-            s = self._candidate_solver(c)
-            for span in self.spans:
-                for t in self._candidate_targets(c, s, span):
-                    if s.applies(t):
-                        st = self.statistics[t.key]
-                        jobs.append(Job(c.name, t, s, st.fitting() if fitting else st))
-        device = self._collector.flat.device
-        return {(j.tag, j.site.key): sol for j, sol in zip(jobs, solve_shared(jobs, self.dim, device))}
-
-    def _guard(self, name: str, trainer: L.Trainer, windows: TokenWindows, batch_size: int) -> None:
-        """Fit guard ``name``'s candidates without the held-out windows, judge them there, refit the
-        chosen (see :mod:`~shift_lightning.calibration.solvers.guard`)."""
-        guard = self.solvers[name]
-        cands = guard.candidates(self.dim)
-        sols = self._guard_jobs(cands, fitting=True)
-        default_name = next(c.name for c in cands if c.solver == "lra")
-        candidates, default = {}, {}
-        for span in self.spans:
-            maps = [self._candidate(c, span, sols) for c in cands]
-            candidates[span.key] = [m for m in maps if m is not None]
-            default[span.key] = next(m for m in candidates[span.key] if m.source == default_name)
-        k = self.cfg.guard_every
-        held_out = [i for i in range(len(windows)) if i % k == k - 1]
-        if not held_out:
-            raise ConfigError(f"--calibration.solver guarded holds out every {k}-th calibration window, but there are "
-                              f"only {len(windows)}: raise --data.num_samples")
-        judge = GuardJudge(self.model, self.removed, self.spans, candidates, default, self.cfg.guard_topk)
-        judge.run(trainer, TokenWindows(windows.input_ids[held_out], windows.attention_mask[held_out]), batch_size)
-        chosen = {key: judge.results[key]["chosen"] for key in judge.results}
-        refit = self._guard_jobs([c for c in cands if c.name in set(chosen.values())], fitting=False)
-        self._chosen[name] = {}
-        for span in self.spans:
-            c = next(c for c in cands if c.name == chosen[span.key])
-            self._chosen[name][span.key] = self._candidate(c, span, refit)
-            self.reports[span.key].setdefault("guards", {})[name] = {**judge.results[span.key],
-                                                                     "held_out_windows": len(held_out)}
+    @property
+    def stats_device(self) -> torch.device:
+        """Where the statistics are held (and solved)."""
+        return next((st.io or st.branch or st.scale).buffer.device for st in self.statistics.values()
+                    if (st.io or st.branch or st.scale) is not None)
 
     # ---------------------------------------------------------------- held-out errors
     def measure(self, trainer: L.Trainer, windows: TokenWindows, batch_size: int = 4, key: str = "heldout") -> None:
@@ -305,11 +271,11 @@ class CalibrationModule(DataPass):
         fresh = self._collect(trainer, windows, batch_size, plan, "held-out errors")
         for s in self._fittable():
             for t in self._targets(s):
-                if t.key not in fresh or t.key not in self.solutions[s.name]:
+                if t.key not in fresh or t.key not in self.solutions[s.key]:
                     continue
-                st, (Wd, bd) = s.fitted_on(self.solutions[s.name][t.key], fresh[t.key])
+                st, (Wd, bd) = s.fitted_on(self.solutions[s.key][t.key], fresh[t.key])
                 if st is not None:
-                    self._record(t, s.name, key, st.relative_error(Wd, bd), st.num_tokens)
+                    self._record(t, s.key, key, st.relative_error(Wd, bd), st.num_tokens)
         if span_level:
             eye = torch.eye(self.dim, dtype=torch.float64)
             for span in self.spans:

@@ -136,10 +136,10 @@ class LinearFit:
     name = "linear_fit"
     needs_grad = False
 
-    def __init__(self, num_layers: int, k: int, allowed: list[int], damping: float = 1e-4, holdout_every: int = 4,
+    def __init__(self, num_layers: int, k: int, allowed: list[int], damping: float = 1e-4, heldout_every: int = 4,
                  max_stats_gb: float = 16.0):
         self.L, self.k, self.allowed = num_layers, k, sorted(allowed)
-        self.damping, self.holdout_every = damping, holdout_every
+        self.damping, self.heldout_every = damping, heldout_every
         self.max_stats_gb = max_stats_gb
         self.groups: list[list[int]] = []
         self.phase, self.group = 0, 0
@@ -154,7 +154,7 @@ class LinearFit:
 
     def split(self, n_windows: int) -> tuple[list[int], list[int]]:
         """Window indices ``(fitting, judging)``."""
-        k = self.holdout_every
+        k = self.heldout_every
         return [i for i in range(n_windows) if i % k != k - 1], [i for i in range(n_windows) if i % k == k - 1]
 
     def passes(self) -> int:
@@ -242,7 +242,7 @@ class LinearFit:
         from ..calibration.sites import contiguous_spans
 
         return scores, {
-            "selected": selected, "fit_tokens": self.fit_tokens, "judge_windows_every": self.holdout_every,
+            "selected": selected, "fit_tokens": self.fit_tokens, "judge_windows_every": self.heldout_every,
             "damping": self.damping, "stat_passes": len(self.groups),
             "span_costs": {f"{a}-{b - 1}": c for (a, b), c in sorted(cost.items())},
             "selected_span_costs": {f"{a}-{b - 1}": cost[(a, b)] for a, b in contiguous_spans(selected)},
@@ -332,7 +332,7 @@ class LinearFitKL(LinearFit):
         cost = self.cost
         scores = {i: cost.get((i, i + 1), float("nan")) for i in range(self.L)}
         return scores, {
-            "selected": selected, "fit_tokens": self.fit_tokens, "judge_windows_every": self.holdout_every,
+            "selected": selected, "fit_tokens": self.fit_tokens, "judge_windows_every": self.heldout_every,
             "damping": self.damping, "stat_passes": len(self.groups), "topk": self.topk,
             "judge_positions": int(sums[0, 2].item()),
             "span_costs": {f"{a}-{b - 1}": c for (a, b), c in sorted(cost.items())},

@@ -202,7 +202,7 @@ def run_calibration(
     if original is not None:  # windows shared out over ranks, statistics and scores summed: one result
         pairs = refit_pairs(selection.layers, n_layers, calibration.refit_kept)
         log.info("Re-fitting kept blocks %s (relative damping %g)", [o for _, o in pairs], calibration.refit_damping)
-        refit = guarded_refit(lm, original, windows, pairs, calibration.refit_damping, calibration.guard_every,
+        refit = guarded_refit(lm, original, windows, pairs, calibration.refit_damping, calibration.heldout_every,
                               calibration.guard_topk, progress=lambda o, kl, keep: log.info(
                                   "kept block %d re-fitted: held-out KL %.4f, %s", o, kl, "kept" if keep else "undone"),
                               rank=dist.rank(), world=dist.world_size(), reduce=dist.all_reduce_flat)

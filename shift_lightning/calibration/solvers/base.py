@@ -1,38 +1,45 @@
 """The solver interface: fitted statistics in, a map out.
 
-A solver is a small class registered under its name (the value of ``--calibration.solver``)::
+A solver is a *method*, registered under its name (the value of ``--calibration.solver``); how it is fitted —
+per block or per span (``granularity``), on the original or the corrected model (``mode``), at which rank, with
+which guard candidates — are knobs of :class:`~shift_lightning.calibration.config.CalibrationConfig`, read from
+``self.cfg``. A new map is one file here with an ``@register`` class and one import line in ``__init__.py``::
 
     @register
     class NoBias(Solver):
         name, label = "nobias", "+no bias"
+        description = "closed-form residual maps without bias (y = x + x Wᵀ)"
         needs = frozenset({"io"})                    # statistics the pass must collect (collect.NEEDS)
         def fit(self, stats: SiteStatistics) -> Solution:
             return ridge_solve(stats.io, self.cfg.damping, bias=False)
 
-Every map is affine, so every solver returns a :class:`~shift_lightning.stats.Solution`
-(``W, b`` float64, optionally low rank ``U, V``): one fixed set of tensors, which is what lets the
-module share the solves out among ranks and broadcast them without knowing the solver. Where the
-map goes is the solver's :attr:`Solver.placement`:
+(``experiments/`` registers its own solvers the same way.) Every map is affine, so every solver returns a
+:class:`~shift_lightning.stats.Solution` (``W, b`` float64, optionally low rank ``U, V``): one fixed set of
+tensors, which is what lets the module share the solves out among ranks and broadcast them without knowing the
+solver. Where the map goes is the solver's :attr:`Solver.placement`:
 
 * ``adapter``: ``y = x + x Wᵀ + b`` (``kind="residual"``) or ``y = x Wᵀ + b`` (``kind="affine"``) on the
   hidden state entering the first kept block after the site;
 * ``branch``: ReplaceMe's ``T = Wᵀ`` on the MLP branch of block ``start − 1`` (folded into
   ``down_proj``).
 
-Per-block solvers (``per_span = False``) are fitted per *site* (a block, or a span with
-``granularity: span``) and their adapters merged per span; per-span solvers are fitted per span. A
-solver that chooses among others (the guards) lists them in :attr:`Solver.wraps`.
+Per-block solvers (:attr:`Solver.per_span` false) are fitted per *site* (a block, or a span with
+``granularity: span``) and their adapters merged per span; per-span solvers are fitted per span. A solver that
+chooses among others (the guard) lists them in :attr:`Solver.wraps`. This module imports no torch: the
+registry's names are the config's choices (``--help`` reads them without loading a model).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from ...errors import ConfigError
-from ...stats import RidgeStats, Solution
-from ..collect import SiteStatistics
-from ..config import CalibrationConfig
-from ..sites import Site
+
+if TYPE_CHECKING:
+    from ...stats import RidgeStats, Solution
+    from ..collect import SiteStatistics
+    from ..config import CalibrationConfig
+    from ..sites import Site
 
 
 class Solver:
@@ -42,43 +49,49 @@ class Solver:
     name: ClassVar[str] = ""
     """Registry name (``--calibration.solver``)."""
     label: ClassVar[str] = ""
-    """How tables call the corrected model ("+LRA")."""
-    per_span: ClassVar[bool] = False
-    """Fitted once per contiguous span (peers, guards) instead of per site."""
+    """How tables call the model with its maps ("+LRA")."""
+    description: ClassVar[str] = ""
+    """One line for model cards and ``--help`` ("closed-form Linear Residual Adapters …")."""
+    span_only: ClassVar[bool] = False
+    """Always fitted once per contiguous span (peers, guards, the joint map), whatever ``granularity`` says."""
     placement: ClassVar[Literal["adapter", "branch"]] = "adapter"
     bias: ClassVar[bool] = True
     """The adapter has a bias term (``b`` or ``c``)."""
     needs: ClassVar[frozenset[str]] = frozenset({"io"})
     holdout: ClassVar[bool] = False
-    """Needs held-out copies of its statistics (every ``guard_every``-th window)."""
+    """Needs held-out copies of its statistics (every ``heldout_every``-th window)."""
     sequential: ClassVar[bool] = False
-    """Can be fitted in ``--calibration.mode sequential`` (and ``anchored``)."""
-    mode: ClassVar[str | None] = None
-    """The ``--calibration.mode`` this solver is defined by (None: any it supports)."""
+    """Can be fitted in ``--calibration.mode sequential`` / ``anchored`` (on the corrected pruned model)."""
     low_rank: ClassVar[bool] = False
     """Honours ``--calibration.rank``."""
     fits: ClassVar[tuple[tuple[str, str, str], ...]] = ()
-    """``mode: auto`` solvers: ``(name, granularity, mode)`` of each fit tried, in tie-breaking order."""
-    fit_solver: ClassVar[str] = ""
-    """``mode: auto`` solvers: the solver each of :attr:`fits` is made with."""
-    wraps: ClassVar[tuple[str, ...]] = ()
-    """Solvers whose maps this one chooses among (their statistics are collected too)."""
+    """``--calibration.mode auto``: ``(name, granularity, mode)`` of each fit tried, in tie-breaking order (empty: the
+    solver has no auto mode)."""
 
-    def __init__(self, cfg: CalibrationConfig):
+    def __init__(self, cfg: CalibrationConfig, key: str | None = None):
         self.cfg = cfg
+        self.key = key or self.name
+        """Where this fit's maps and reports are filed: the solver's name, or a grid's variant name."""
         self.device = None  # where iterative solvers run (set by the module)
         if cfg.rank is not None and not self.low_rank:
             raise ConfigError(f"--calibration.rank applies to the {' / '.join(low_rank_solvers())} solvers, not to "
                               f"{self.name!r}: set --calibration.solver lra_replaceme (the default) or lra for a "
                               "low-rank adapter, or drop --calibration.rank")
-        if cfg.mode == "auto" and self.mode != "auto":
-            able = " / ".join(n for n, c in SOLVERS.items() if c.mode == "auto")
+        if cfg.mode == "auto" and not self.fits:
+            able = " / ".join(n for n, c in SOLVERS.items() if c.fits)
             raise ConfigError(f"--calibration.mode auto chooses a map's fit on held-out windows; it fits the "
-                              f"{able} solvers, not {self.name!r}: set --calibration.solver lra_replaceme_auto "
-                              "(the joint map) or lra_auto (the LRA)")
-        if self.mode is not None and cfg.mode != self.mode:
-            raise ConfigError(f"solver {self.name!r} is fitted in --calibration.mode {self.mode}, got {cfg.mode!r}: "
-                              f"set --calibration.mode {self.mode}")
+                              f"{able} solvers, not {self.name!r}: set --calibration.solver lra_replaceme (the "
+                              "default) or lra, or another --calibration.mode")
+
+    @property
+    def per_span(self) -> bool:
+        """Fitted once per contiguous span (:attr:`span_only`, or ``granularity: span``) instead of per site."""
+        return self.span_only or self.cfg.granularity == "span"
+
+    @property
+    def wraps(self) -> tuple[str, ...]:
+        """Solvers whose maps this one chooses among (their statistics are collected too)."""
+        return ()
 
     def rank(self, dim: int) -> int | None:
         """The rank of a low-rank fit (None: full rank)."""
@@ -115,10 +128,10 @@ def register(cls: type[Solver]) -> type[Solver]:
     return cls
 
 
-def get_solver(name: str, cfg: CalibrationConfig) -> Solver:
-    """The solver registered as ``name``, configured by ``cfg``."""
+def get_solver(name: str, cfg: CalibrationConfig, key: str | None = None) -> Solver:
+    """The solver registered as ``name``, configured by ``cfg`` (filed under ``key``, default its name)."""
     try:
         cls = SOLVERS[name]
     except KeyError:
         raise ConfigError(f"Unknown solver {name!r}; choose from {', '.join(SOLVERS)}") from None
-    return cls(cfg)
+    return cls(cfg, key)

@@ -5,17 +5,18 @@ the original elsewhere (a shifted yes/no prior, another domain). Reconstruction 
 that (``lra_guard`` chooses by it and does not remove a single negative gain in the paper grid), so
 this guard judges by what a user cares about: the next-token KL to the original model.
 
-Every ``guard_every``-th calibration window is held out. On the others the guard fits, per span,
+Every ``heldout_every``-th calibration window is held out. On the others the guard fits, per span,
 the candidates
 
     none (plain pruning) · the LRA at each relative damping of ``--calibration.guard_path``
     (its ridge path, shrinking towards none) · the LRA at each rank of ``--calibration.guard_ranks``
     (opt-in; the optimal reduced-rank fit, another shrinkage) · the LRA without bias · ReplaceMe
-    (least squares) · with ``guarded_span``, at a span of two or more blocks: ``lra@span``, ONE LRA
+    (least squares) · with ``--calibration.guard_extra '[span_lra]'``, at a span of two or more blocks:
+    ``lra@span``, ONE LRA
     fitted to the whole span's update ``h_end − x`` at once (what ``granularity: span`` fits; the
     merged per-block LRAs are fitted block by block on the original's inputs, so their product is not
     the least-squares map of the span; one more ``(d+1)²`` float64 statistic per such span) · with
-    ``guarded_joint``, also ``lra+replaceme``: the span LRA and ReplaceMe's map fitted together
+    ``guard_extra: [lra_replaceme]``, ``lra+replaceme``: the span LRA and ReplaceMe's map fitted together
     (:mod:`.joint`; two more ``(2d+1)(3d+1)`` float64 statistics per span, all windows and held-out)
 
 and, span after span (earlier spans at their chosen map, later spans at the plain LRA), runs the
@@ -27,11 +28,13 @@ on all windows. The held-out windows are calibration text, never the evaluated d
 
 from __future__ import annotations
 
-from typing import ClassVar, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from ...stats import Solution
-from ..collect import SiteStatistics
 from .base import Solver, register
+
+if TYPE_CHECKING:
+    from ...stats import Solution
+    from ..collect import SiteStatistics
 
 
 class Candidate(NamedTuple):
@@ -49,12 +52,14 @@ class Candidate(NamedTuple):
 @register
 class Guarded(Solver):
     name, label = "guarded", "+guarded"
-    per_span = True
+    description = "the do-no-harm guard: per span, the map closest to the original on held-out calibration windows"
+    span_only = True
     holdout = True
     needs = frozenset()
-    wraps = ("lra", "nobias", "replaceme")
-    span_candidate: ClassVar[bool] = False
-    """Also try one LRA per whole span (``lra@span``)."""
+
+    @property
+    def wraps(self) -> tuple[str, ...]:
+        return ("lra", "nobias", "replaceme") + (("lra_replaceme",) if "lra_replaceme" in self.cfg.guard_extra else ())
 
     def candidates(self, dim: int) -> list[Candidate]:
         """The candidates in tie-breaking order (ranks ``≥ dim`` are the full-rank LRA: left out)."""
@@ -62,23 +67,9 @@ class Guarded(Solver):
         out += [Candidate(f"lra@{lam:g}", "lra", damping=lam) for lam in self.cfg.ridge_path()]
         out += [Candidate(f"lra@r{r}", "lra", rank=r) for r in self.cfg.guard_ranks or [] if r < dim]
         out += [Candidate("nobias", "nobias"), Candidate("replaceme", "replaceme")]
-        out += [Candidate("lra@span", "lra", span=True)] if self.span_candidate else []
+        out += [Candidate("lra@span", "lra", span=True)] if "span_lra" in self.cfg.guard_extra else []
+        out += [Candidate("lra+replaceme", "lra_replaceme")] if "lra_replaceme" in self.cfg.guard_extra else []
         return out
 
     def fit(self, stats: SiteStatistics) -> Solution:  # pragma: no cover - orchestrated by the module
         raise NotImplementedError("the guard chooses among fitted maps with a judge pass; see CalibrationModule")
-
-
-@register
-class GuardedSpan(Guarded):
-    name, label = "guarded_span", "+guarded (span LRA)"
-    span_candidate = True
-
-
-@register
-class GuardedJoint(GuardedSpan):
-    name, label = "guarded_joint", "+guarded (span LRA, LRA & ReplaceMe)"
-    wraps = Guarded.wraps + ("lra_replaceme",)
-
-    def candidates(self, dim: int) -> list[Candidate]:
-        return super().candidates(dim) + [Candidate("lra+replaceme", "lra_replaceme")]

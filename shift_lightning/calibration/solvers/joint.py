@@ -26,7 +26,10 @@ A span starting at block 0 has no branch before it: it gets the span LRA alone (
 
 **Modes.** ``--calibration.mode sequential`` / ``anchored`` fit each span on the corrected pruned model's
 ``[x, m]`` (``m`` of the kept block before the span, run on the corrected states), to the span's update or to
-the original's state at its end (:mod:`~shift_lightning.calibration.sequential`).
+the original's state at its end (:mod:`~shift_lightning.calibration.sequential`); ``auto`` fits it each of those
+ways without the held-out windows and keeps the closest to the original there (:mod:`~shift_lightning.calibration.auto`;
+anchoring brings SmolLM2 closer where the first blocks are kept and further where block 0 or 1 is removed, so it is
+a choice per run, made on calibration text).
 
 **Low rank** (``--calibration.rank r``): the adapter's ``A`` is constrained to rank r, ``B`` (folded into
 ``down_proj``, no parameters) stays full and is refitted given ``A``: the exact optimum of the same ridge
@@ -44,11 +47,15 @@ on CPU, where only the upper block triangle of the symmetric Gram block is multi
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from ...stats import Solution, SolveError, ridge_solve
-from ..collect import SiteStatistics
 from .base import Solver, register
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...stats import Solution
+    from ..collect import SiteStatistics
 
 #: Largest condition number of ``I + A`` the fold accepts.
 MAX_COND = 1e8
@@ -57,6 +64,8 @@ MAX_COND = 1e8
 def span_delta_map(M: torch.Tensor, c: torch.Tensor, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The update ``Δ̂ = [x, m] W_jᵀ + c`` that an adapter ``y = M x' + c`` (columns; ``M = I + W``) after a
     branch map ``T`` applies: ``x' = x + m (T − I)``, so ``W_j = [M − I, M (T − I)ᵀ]``, ``(d, 2d)``."""
+    import torch
+
     eye = torch.eye(M.shape[0], dtype=torch.float64, device=M.device)
     M, T = M.to(torch.float64), T.to(torch.float64)
     return torch.cat([M - eye, M @ (T - eye).T], dim=1), c.to(torch.float64)
@@ -65,16 +74,27 @@ def span_delta_map(M: torch.Tensor, c: torch.Tensor, T: torch.Tensor) -> tuple[t
 @register
 class LRAReplaceMe(Solver):
     name, label = "lra_replaceme", "+LRA & ReplaceMe (joint)"
-    per_span = low_rank = sequential = True
+    description = ("one closed-form Linear Residual Adapter per removed span and ReplaceMe's map on the MLP branch "
+                   "of the block before it, fitted together (one ridge regression)")
+    span_only = low_rank = sequential = True
     needs = frozenset({"io", "joint"})
+    #: ``mode: auto``: (name, granularity, mode) of each fit tried, in tie-breaking order: the default first.
+    fits = (("lra_replaceme", "span", "independent"), ("lra_replaceme_sequential", "span", "sequential"),
+            ("lra_replaceme_anchored", "span", "anchored"))
 
     def fitted_on(self, sol: Solution, stats: SiteStatistics):
+        import torch
+
         if sol.T is None or stats.joint is None:
             return stats.io, sol.delta_map()
         eye = torch.eye(sol.W.shape[0], dtype=sol.W.dtype, device=sol.W.device)
         return stats.joint, span_delta_map(eye + sol.W, sol.b, sol.T)
 
     def fit(self, stats: SiteStatistics) -> Solution:
+        import torch
+
+        from ...stats import Solution, SolveError, ridge_solve
+
         if stats.joint is None:  # span at block 0: no branch before it
             sol = ridge_solve(stats.io, self.cfg.damping, self.rank(stats.io.dim))
             sol.info = {"joint": False, "note": "no block before the span: the span LRA alone"}
@@ -88,31 +108,7 @@ class LRAReplaceMe(Solver):
         if not cond < MAX_COND:
             raise SolveError(f"{stats.site.name}: I + A of the joint map is ill-conditioned (condition number "
                              f"{cond:.3g}), so ReplaceMe's half cannot be moved before the adapter exactly; increase "
-                             "--calibration.damping or use --calibration.solver lra_span")
+                             "--calibration.damping or use --calibration.solver lra --calibration.granularity span")
         T = eye + torch.linalg.solve(IA.T, B.T).T          # T − I = B (I + A)⁻¹
         return Solution(A.T.contiguous(), sol.b, sol.U, sol.V, sol.lam, "residual", T=T.contiguous(),
                         info={"joint": True, "cond_I_plus_A": cond})
-
-
-@register
-class LRAReplaceMeAnchored(LRAReplaceMe):
-    """The joint map fitted in ``--calibration.mode anchored`` (= ``lra_replaceme`` with ``mode: anchored``; a name
-    of its own so that a grid can run it as a row, as ``lra_anchored`` is the anchored span LRA)."""
-
-    name, label = "lra_replaceme_anchored", "+LRA & ReplaceMe (joint), anchored"
-    mode = "anchored"
-
-
-@register
-class LRAReplaceMeAuto(LRAReplaceMe):
-    """The joint map fitted each way of :attr:`fits` without the held-out calibration windows, the one whose
-    corrected model is closest to the original there refitted on all windows (``--calibration.mode auto``,
-    :mod:`~shift_lightning.calibration.auto`; what ``lra_auto`` is to the LRA). Anchoring the joint map brings
-    SmolLM2 closer where the first blocks are kept and further where block 0 or 1 is removed (the grids'
-    ``lra_replaceme_anchored`` rows): a choice per run, made on calibration text."""
-
-    name, label = "lra_replaceme_auto", "+LRA & ReplaceMe (joint), fit chosen on held-out KL"
-    mode, fit_solver = "auto", "lra_replaceme"
-    #: (name, granularity, mode) of each fit tried, in tie-breaking order: the default (independent) first.
-    fits = (("lra_replaceme", "span", "independent"), ("lra_replaceme_sequential", "span", "sequential"),
-            ("lra_replaceme_anchored", "span", "anchored"))

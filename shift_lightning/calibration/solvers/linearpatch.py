@@ -5,22 +5,29 @@ its input in the Hadamard basis (:mod:`shift_lightning.peers`). No bias; an affi
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from ...peers import linearpatch_matrix
-from ...stats import Solution
-from ..collect import SiteStatistics
 from .base import Solver, register
+
+if TYPE_CHECKING:
+    from ...stats import Solution
+    from ..collect import SiteStatistics
 
 
 @register
 class LinearPatch(Solver):
     name, label = "linearpatch", "+LinearPatch"
-    per_span = True
+    description = "LinearPatch (Hadamard channel scaling, y = x P)"
+    span_only = True
     bias = False
     needs = frozenset({"scale"})
 
     def fit(self, stats: SiteStatistics) -> Solution:
+        import torch
+
+        from ...peers import linearpatch_matrix
+        from ...stats import Solution
+
         scale = stats.scale.scale()
         P = linearpatch_matrix(scale)
         zero = torch.zeros(P.shape[0], dtype=torch.float64, device=P.device)

@@ -20,18 +20,23 @@ starting at block 0 has no block to fold into and stays uncorrected.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from ...stats import Solution, ridge_solve
-from ..collect import SiteStatistics
-from ..sites import Site
 from .base import Solver, register
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...stats import Solution
+    from ..collect import SiteStatistics
+    from ..sites import Site
 
 
 @register
 class ReplaceMe(Solver):
     name, label = "replaceme", "+ReplaceMe"
-    per_span = True
+    description = "ReplaceMe (least squares) maps on the MLP branch of the block before each span"
+    span_only = True
     placement = "branch"
     needs = frozenset({"branch"})
 
@@ -39,6 +44,8 @@ class ReplaceMe(Solver):
         return site.start >= 1
 
     def fit(self, stats: SiteStatistics) -> Solution:
+        from ...stats import ridge_solve
+
         return ridge_solve(stats.branch, self.cfg.damping, None, "affine", bias=False)
 
 
@@ -46,6 +53,8 @@ def cosine_fit(m: torch.Tensor, y: torch.Tensor, epochs: int = 10, lr: float = 1
                seed: int = 0, device=None) -> tuple[torch.Tensor, list[float]]:
     """``T: (d, d)`` float64 minimising ``1 − mean cos(m T, y)`` by Adam from ``T = I`` (see module doc);
     ``m, y: (N, d)``. Returns ``T`` and the mean loss of each epoch."""
+    import torch
+
     d = m.shape[1]
     dev = device or m.device
     lin = torch.nn.Linear(d, d, bias=False, device=dev, dtype=torch.float32)
@@ -74,12 +83,16 @@ def cosine_fit(m: torch.Tensor, y: torch.Tensor, epochs: int = 10, lr: float = 1
 @register
 class ReplaceMeCosine(ReplaceMe):
     name, label = "replaceme_cosine", "+ReplaceMe (cosine)"
+    description = "ReplaceMe (cosine objective, Adam on cached activations) maps on the MLP branch of the block before each span"
     needs = frozenset({"branch", "rows"})
 
     def fit(self, stats: SiteStatistics) -> Solution:
+        import torch
+
+        from ...stats import Solution, SolveError
+
         m, y = stats.rows.gather()
         if m.shape[0] == 0:
-            from ...stats import SolveError
 
             raise SolveError(f"{stats.site.name}: no calibration tokens were cached for ReplaceMe's cosine fit")
         c = self.cfg
