@@ -144,7 +144,7 @@ def run(cfg: AblationConfig) -> Path:
         t0 = time.time()
         res = ctx.evaluate(ctx.model)
         runs.write("original", {**ctx.meta, "run": "original", **harness.row_doc(res), "seconds": time.time() - t0})
-    elif runs.done("original") and g.kl and cfg.fill != "new" and "fidelity" not in runs.read("original"):
+    elif runs.done("original") and g.kl and cfg.fill != "new" and "closeness" not in runs.read("original"):
         harness.add_closeness(ctx, runs, "original", ctx.evaluate(ctx.model, tasks=False))
     for crit in cfg.criteria:
         _run_criterion(cfg, ctx, runs, crit)
@@ -181,7 +181,7 @@ def _run_criterion(cfg: AblationConfig, ctx: harness.GridContext, runs: harness.
 
     new = set() if cfg.fill == "closeness" else {n for n in planned(cfg) if not runs.done(file(n))}
     old = set() if (cfg.fill == "new" or not g.kl) else\
-        {n for n in planned(cfg) if runs.done(file(n)) and "fidelity" not in runs.read(file(n))}
+        {n for n in planned(cfg) if runs.done(file(n)) and "closeness" not in runs.read(file(n))}
     todo = new | old
     if not todo:
         return

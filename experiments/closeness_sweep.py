@@ -26,7 +26,7 @@ from shift_lightning.criteria import REPAIR_AWARE, PruneConfig
 from experiments.trunk import TrunkCache
 from shift_lightning.selection import select_blocks
 from shift_lightning.surgery import remove_blocks
-from experiments import harness
+from experiments import harness, variants
 from experiments.reproduce import CRITERIA_ORDER, ReproduceConfig, eval_config
 from experiments.tables import sweep as tables
 
@@ -69,7 +69,7 @@ def run(cfg: SweepConfig) -> Path:
             names = {r: f"{crit}/ratio={ratio:g}_{r}" for r in cfg.repairs}
             todo = [r for r, n in names.items() if not runs.done(n)]
             if ratio == g.ratio:  # the paper grid's runs, when they have closeness
-                todo = [r for r in todo if not (paper.done(f"{crit}/{r}") and "fidelity" in paper.read(f"{crit}/{r}"))]
+                todo = [r for r in todo if not (paper.done(f"{crit}/{r}") and "closeness" in paper.read(f"{crit}/{r}"))]
             if todo:
                 _run(cfg, ctx, runs, crit, ratio, todo, names)
         tables.render(folder, cfg)
@@ -91,7 +91,7 @@ def _run(cfg: SweepConfig, ctx: harness.GridContext, runs: harness.RunFolder, cr
     t0 = time.time()
     if solvers:
         module = CalibrationModule(model, layers, CalibrationConfig(damping=g.damping, heldout_every=g.heldout_every,
-                                                                    heldout=False), solvers=solvers)
+                                                                    heldout=False), solvers=variants.knobs(solvers))
         module.calibrate(ctx.make_trainer(), ctx.windows(g.calib_samples, g.seq_len), batch_size=4)
     cal_seconds = time.time() - t0
     n_layers = ctx.num_layers

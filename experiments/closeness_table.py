@@ -127,7 +127,7 @@ def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
     named = {"original": grids[ref][(None, "original")]}
     for g, runs in grids.items():
         for (crit, v), r in runs.items():
-            if crit is not None and "fidelity" in r:
+            if crit is not None and "closeness" in r:
                 named[f"{g}:{crit}/{v}"] = r
     boot = Bootstrap(named, "original", n_boot=cfg.n_boot)
 

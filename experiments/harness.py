@@ -101,8 +101,8 @@ def row_doc(res: dict) -> dict:
     out = {"tasks": {t: {k: e[k] for k in keep if k in e} for t, e in res["tasks"].items()},
            "average": res["average"], "perplexity": res["perplexity"], "bos_added": res["bos_added"],
            "eval_seconds": res["seconds"]}
-    if "fidelity" in res:
-        out.update(kl=res["kl"], top1=res["top1"], fidelity=res["fidelity"])
+    if "closeness" in res:
+        out.update(kl=res["kl"], top1=res["top1"], closeness=res["closeness"])
     return out
 
 
@@ -268,7 +268,7 @@ def add_closeness(ctx: GridContext, runs: RunFolder, name: str, res: dict) -> No
         log.error("%s: the rebuilt model's perplexity differs from the stored run's by %.2g (relative): not the "
                   "same model; closeness NOT added (%s)", name, worst, check)
         return
-    doc.update(kl=res["kl"], top1=res["top1"], fidelity=res["fidelity"])
+    doc.update(kl=res["kl"], top1=res["top1"], closeness=res["closeness"])
     doc["closeness_added"] = {"eval": {k: getattr(ctx.eval_config, k) for k in ("kl_docs", "kl_topk")},
                               "software": ctx.meta["software"], "command": ctx.meta["command"],
                               "ppl_check": check, "max_ppl_rel_diff": worst, "seconds": res["seconds"]}

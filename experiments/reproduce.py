@@ -183,7 +183,7 @@ def eval_config(cfg: ReproduceConfig, vocab: int, device: torch.device | None = 
 
 
 def needs_closeness(cfg: ReproduceConfig, doc: dict) -> bool:
-    return cfg.kl and cfg.fill != "new" and "fidelity" not in doc
+    return cfg.kl and cfg.fill != "new" and "closeness" not in doc
 
 
 def check_config(cfg: ReproduceConfig) -> None:
@@ -305,7 +305,7 @@ def _reuse(cfg: ReproduceConfig, runs: harness.RunFolder, crit: str, layers: lis
     """Copy ``variant`` from another criterion of this folder that removed the same blocks with the same
     settings (and has closeness when this grid measures it); returns whether a run was reused."""
     for name, doc in _same_blocks(runs, crit, layers, variant):
-        if not _same_settings(cfg, doc) or (cfg.kl and "fidelity" not in doc):
+        if not _same_settings(cfg, doc) or (cfg.kl and "closeness" not in doc):
             continue
         runs.write(f"{crit}/{variant}", {**doc, "criterion": crit, "reused_from": doc.get("reused_from", name)})
         log.info("%s %s/%s: the same blocks %s as %s, run reused", cfg.model, crit, variant, layers, name)
@@ -323,7 +323,7 @@ def _reuse_closeness(cfg: ReproduceConfig, runs: harness.RunFolder, crit: str, l
     if not _same_settings(cfg, doc):
         return False
     for name, src in _same_blocks(runs, crit, layers, variant):
-        if "fidelity" not in src or not _same_settings(cfg, src):
+        if "closeness" not in src or not _same_settings(cfg, src):
             continue
         check = {p: [doc["perplexity"][p]["ppl"], e["ppl"]] for p, e in src["perplexity"].items()
                  if p in doc["perplexity"]}
@@ -333,7 +333,7 @@ def _reuse_closeness(cfg: ReproduceConfig, runs: harness.RunFolder, crit: str, l
                         "not copied", crit, variant, name, worst)
             continue
         root = (src.get("closeness_added") or {}).get("copied_from", name)
-        doc.update(kl=src["kl"], top1=src["top1"], fidelity=src["fidelity"])
+        doc.update(kl=src["kl"], top1=src["top1"], closeness=src["closeness"])
         doc["closeness_added"] = {"eval": {k: getattr(cfg, k) for k in ("kl_docs", "kl_topk")},
                                   "copied_from": root, "ppl_check": check, "max_ppl_rel_diff": worst}
         runs.write(f"{crit}/{variant}", doc)
@@ -456,7 +456,7 @@ def _unrefitted(cfg: ReproduceConfig, crit: str, variant: str):
     if doc.get("tasks_from") and runs.done(doc["tasks_from"]):  # the run that evaluated them
         name, doc = doc["tasks_from"], runs.read(doc["tasks_from"])
     plain = replace(cfg, refit_kept=0, refit_damping=ReproduceConfig.refit_damping)
-    ok = _same_settings(plain, doc) and "fidelity" in doc and not doc.get("tasks_from")
+    ok = _same_settings(plain, doc) and "closeness" in doc and not doc.get("tasks_from")
     return (f"{cfg.refit_of}/{name}", doc) if ok else None
 
 
@@ -502,7 +502,7 @@ def _same_maps(cfg: ReproduceConfig, runs: harness.RunFolder, crit: str, module:
     if doc.get("tasks_from") and runs.done(doc["tasks_from"]):  # a twin's twin: the run that evaluated them
         name = doc["tasks_from"]
         doc = runs.read(name)
-    return (name, doc) if _same_settings(cfg, doc) and "fidelity" in doc and not doc.get("tasks_from") else None
+    return (name, doc) if _same_settings(cfg, doc) and "closeness" in doc and not doc.get("tasks_from") else None
 
 
 def _maps_check(res: dict, name: str, doc: dict, tol: float = 1e-4):

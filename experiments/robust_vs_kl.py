@@ -137,7 +137,7 @@ def grid_rows(cfg: RobustVsKLConfig, model: str) -> tuple[list[dict], object] | 
             if crit is None:
                 if fitted:  # the grids' original (a check folder's copy of it is not read)
                     named.setdefault("original", r)
-            elif cfg.kl_set in r.get("fidelity", {}):
+            elif cfg.kl_set in r.get("closeness", {}):
                 named[f"{g}/{crit}/{v}"] = r
                 labels[f"{g}/{crit}/{v}"] = (g, crit, v, fitted)
     if "original" not in named:
@@ -147,15 +147,15 @@ def grid_rows(cfg: RobustVsKLConfig, model: str) -> tuple[list[dict], object] | 
     for name, (g, crit, v, fitted) in labels.items():
         r = named[name]
         vec = task_vectors(r)
-        ident = (tuple(r["pruned_layers"]), round(r["fidelity"][cfg.kl_set]["kl"], 9),
+        ident = (tuple(r["pruned_layers"]), round(r["closeness"][cfg.kl_set]["kl"], 9),
                  tuple(bytes(vec[t].astype(np.uint8)) for t in sorted(vec)))
         if fitted and ident in seen:
             seen[ident]["same_as"].append(name)
             continue
         point, samples = boot.robust_samples(name)
         row = {"row": name, "grid": g, "criterion": crit, "variant": v, "family": family(v),
-               "blocks": r["pruned_layers"], "kl": r["fidelity"][cfg.kl_set]["kl"],
-               "kl_ci": r["fidelity"][cfg.kl_set].get("kl_ci"), "robust": point, "same_as": [],
+               "blocks": r["pruned_layers"], "kl": r["closeness"][cfg.kl_set]["kl"],
+               "kl_ci": r["closeness"][cfg.kl_set].get("kl_ci"), "robust": point, "same_as": [],
                "_samples": samples, "fitted": fitted}
         if fitted:
             seen[ident] = row

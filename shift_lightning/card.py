@@ -173,7 +173,7 @@ def evaluation_table(evals: dict[str, dict]) -> list[str]:
         rows.append(f"| PPL {p} ({first['tokens']} tokens) | " + " | ".join(vals) + " |")
     sets = sorted({k for e in evals.values() for k in e.get("kl", {})})
     for k in sets:
-        f = next(e["fidelity"][k] for e in evals.values() if k in e.get("kl", {}))
+        f = next(e["closeness"][k] for e in evals.values() if k in e.get("kl", {}))
         rows.append(f"| KL(original ‖ model) {k} ({f['positions']} positions) | "
                     + " | ".join(f"{e['kl'][k]:.4f}" if k in e.get("kl", {}) else "" for e in evals.values()) + " |")
         rows.append(f"| top-1 agreement {k} | "

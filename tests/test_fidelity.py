@@ -94,13 +94,13 @@ def test_evaluator_reports_closeness_on_every_set_with_intervals():
     remove_blocks(pruned, [2, 3])
     res = evaluate_model(pruned, tok, cfg, ev)
     for s in sets:
-        f = res["fidelity"][s]
+        f = res["closeness"][s]
         assert f["kl"] > 0 and 0 <= f["top1"] < 1
         assert f["kl_ci"][0] <= f["kl"] <= f["kl_ci"][1]
         assert len(f["per_item"]["kl"]) == f["items"] and sum(f["per_item"]["n"]) == f["positions"]
-    assert res["fidelity"]["tasks"]["items"] == 15
+    assert res["closeness"]["tasks"]["items"] == 15
     # the perplexity set's positions are exactly its scored tokens
-    assert res["fidelity"][str(TINY_DATA / "ppl_text.txt")]["positions"] == \
+    assert res["closeness"][str(TINY_DATA / "ppl_text.txt")]["positions"] == \
         res["perplexity"][str(TINY_DATA / "ppl_text.txt")]["tokens"]
     # and the numbers do not change the accuracy / perplexity results
     plain = evaluate_model(pruned, tok, EvalConfig(**{**cfg.__dict__, "kl": False}))

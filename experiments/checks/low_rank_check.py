@@ -27,11 +27,12 @@ from anchored_check import closeness  # the held-out KL / top-1 of the grids' ch
 import torch  # noqa: E402
 
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule  # noqa: E402
+from experiments import variants  # noqa: E402
 from shift_lightning.models import num_params  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
 from shift_lightning.surgery import apply_correction, remove_blocks  # noqa: E402
 
-SOLVERS = ("lra_span", "lra_replaceme")
+SOLVERS = ("lra_span", "lra_replaceme")  # grid variants (experiments/variants.py)
 
 
 def main(argv=None):
@@ -59,7 +60,7 @@ def main(argv=None):
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, inference_mode=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
     t0 = time.perf_counter()
-    base = CalibrationModule(model, layers, CalibrationConfig(heldout=False), solvers=list(SOLVERS))
+    base = CalibrationModule(model, layers, CalibrationConfig(heldout=False), solvers=variants.knobs(SOLVERS))
     base.calibrate(trainer, fit, batch_size=4)
     doc = {"command": "python experiments/checks/low_rank_check.py " + " ".join(f"--{k} {v}" for k, v in vars(a).items()
                                                                        if v is not None),
@@ -68,7 +69,7 @@ def main(argv=None):
            "fit_windows": len(fit), "judge_windows": len(judge), "statistics_seconds": time.perf_counter() - t0,
            "rows": []}
     for r in ranks:
-        mod = CalibrationModule(model, layers, CalibrationConfig(heldout=False, rank=r), solvers=list(SOLVERS))
+        mod = CalibrationModule(model, layers, CalibrationConfig(heldout=False, rank=r), solvers=variants.knobs(SOLVERS))
         mod.add_statistics(base)
         mod.solve()
         for name in SOLVERS:

@@ -29,8 +29,8 @@ def render(folder: Path, cfg) -> None:
     orig = json.loads(orig_f.read_text())
     rows = [{"criterion": c, "run": r, "avg": d["average"], "ppl": {p: e["ppl"] for p, e in d["perplexity"].items()},
              "tasks": {t: e["value"] for t, e in d["tasks"].items()}, "params": d.get("params"),
-             **({"kl": d["kl"], "top1": d["top1"], "kl_ci": {k: e.get("kl_ci") for k, e in d["fidelity"].items()}}
-                if "fidelity" in d else {})}
+             **({"kl": d["kl"], "top1": d["top1"], "kl_ci": {k: e.get("kl_ci") for k, e in d["closeness"].items()}}
+                if "closeness" in d else {})}
             for (c, r), d in runs.items()]
     write_json_atomic(folder.with_suffix(".json"), {"original": {"avg": orig["average"], "ppl": {
         p: e["ppl"] for p, e in orig["perplexity"].items()}}, "rows": rows, "config": orig["config"]})

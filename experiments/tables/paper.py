@@ -69,11 +69,11 @@ def table_rows(folder: Path, n_boot: int = 2000, runs: dict[tuple, dict] | None 
                "avg_ci": s["avg_ci"], "robust": s["robust"], "robust_ci": s["robust_ci"],
                "ppl": {p: e["ppl"] for p, e in r["perplexity"].items()}, "params": r["params"],
                "device": r.get("software", {}).get("device", "cpu")}
-        if "fidelity" in r:
-            row["kl"] = {k: e["kl"] for k, e in r["fidelity"].items()}
-            row["kl_ci"] = {k: e.get("kl_ci") for k, e in r["fidelity"].items()}
-            row["top1"] = {k: e["top1"] for k, e in r["fidelity"].items()}
-            row["top1_ci"] = {k: e.get("top1_ci") for k, e in r["fidelity"].items()}
+        if "closeness" in r:
+            row["kl"] = {k: e["kl"] for k, e in r["closeness"].items()}
+            row["kl_ci"] = {k: e.get("kl_ci") for k, e in r["closeness"].items()}
+            row["top1"] = {k: e["top1"] for k, e in r["closeness"].items()}
+            row["top1_ci"] = {k: e.get("top1_ci") for k, e in r["closeness"].items()}
         if v not in ("original", "pruned") and (c, "pruned") in runs:
             row["vs_pruned"] = boot.difference(f"{c}/{v}", f"{c}/pruned")
         if v != "lra" and v not in ("original", "pruned") and (c, "lra") in runs:
@@ -130,7 +130,7 @@ def render(folder: Path, criteria: list[str], variants: list[str], ratio: float,
             "command": orig["command"], "software": orig["software"], "bootstrap": meta,
             "pending": [f"{c}/{v}" for c in criteria for v in variants if (c, v) not in made],
             "closeness_pending": [f"{c}/{v}" for c in criteria for v in variants
-                                  if (c, v) in made and "fidelity" not in made[(c, v)]],
+                                  if (c, v) in made and "closeness" not in made[(c, v)]],
             "selections": {c: sorted(json.loads((folder / c / "selection.json").read_text())["layers"])
                            for c in criteria if (folder / c / "selection.json").exists()},
             "calib_text": sorted({_calib_text(r["config"]) for k, r in made.items() if k[1] != "pruned"}),

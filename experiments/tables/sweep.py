@@ -37,7 +37,7 @@ def points(folder: Path, cfg) -> list[dict]:
                     continue
                 out.append({"criterion": crit, "ratio": ratio, "repair": r, "blocks_removed": len(d["pruned_layers"]),
                             "pruned_layers": d["pruned_layers"], "maps": maps_of(d), "kl": d["kl"], "top1": d["top1"],
-                            "kl_ci": {k: e.get("kl_ci") for k, e in d["fidelity"].items()},
+                            "kl_ci": {k: e.get("kl_ci") for k, e in d["closeness"].items()},
                             "source": str(f.relative_to(f.parents[2]))})
     return out
 

@@ -573,7 +573,7 @@ def test_an_older_run_gets_closeness_rebuilt_or_copied_from_a_criterion_with_the
     cfg = _tiny_grid(tmp_path, criteria=["reverse_star"], variants=["pruned", "lra"], out=str(tmp_path / "a"))
     runs = RunFolder(run(cfg))
     fresh = runs.read("reverse_star/lra")
-    older = {k: v for k, v in fresh.items() if k not in ("kl", "top1", "fidelity")}
+    older = {k: v for k, v in fresh.items() if k not in ("kl", "top1", "closeness")}
     (runs.folder / "block_influence").mkdir()
     (runs.folder / "block_influence" / "selection.json").write_text((runs.folder / "reverse_star" / "selection.json").read_text())
     runs.write("reverse_star/lra", older)
@@ -583,7 +583,7 @@ def test_an_older_run_gets_closeness_rebuilt_or_copied_from_a_criterion_with_the
     rebuilt, copied = runs.read("reverse_star/lra"), runs.read("block_influence/lra")
     assert rebuilt["kl"] == fresh["kl"] and rebuilt["top1"] == fresh["top1"] and rebuilt["closeness_added"]["seconds"] > 0
     assert copied["closeness_added"]["copied_from"] == "reverse_star/lra" and copied["closeness_added"]["max_ppl_rel_diff"] == 0
-    assert (copied["kl"], copied["fidelity"]) == (fresh["kl"], fresh["fidelity"])
+    assert (copied["kl"], copied["closeness"]) == (fresh["kl"], fresh["closeness"])
     # a run whose perplexity disagrees is not the same model: nothing copied
     other = {**older, "criterion": "block_influence"}
     other["perplexity"] = {p: {**e, "ppl": 1.01 * e["ppl"]} for p, e in older["perplexity"].items()}
@@ -655,7 +655,7 @@ def test_a_twin_whose_own_outcomes_were_reused_points_to_the_run_that_evaluated_
 
     cfg = _tiny_grid(tmp_path, damping=1e-4)
     runs = harness.RunFolder(tmp_path / "runs")
-    base = {"config": asdict(cfg), "fidelity": {}, "tasks": {"arc_easy": {}}}
+    base = {"config": asdict(cfg), "closeness": {}, "tasks": {"arc_easy": {}}}
     runs.write("taylor/lra", base)
     runs.write("taylor/lra_span", {**base, "tasks_from": "taylor/lra"})
     module = SimpleNamespace(fit_choice=None, guards=[], spans=span_sites([4, 5]), reports={})

@@ -44,7 +44,7 @@ def _run(crit, variant, layers, acc, kl):
                  "per_doc": {"doc_ids": list(range(len(a))), "acc": list(map(int, a))}} for t, a in acc.items()}
     run = {"criterion": crit, "variant": variant, "pruned_layers": layers, "tasks": tasks}
     if kl is not None:
-        run["fidelity"] = {"tasks": {"kl": kl, "kl_ci": [kl * 0.9, kl * 1.1]}}
+        run["closeness"] = {"tasks": {"kl": kl, "kl_ci": [kl * 0.9, kl * 1.1]}}
     return run
 
 

@@ -291,9 +291,9 @@ class Evaluator:
                                     "stride": self.cfg.ppl_stride or self.cfg.ppl_seq_len - 1,
                                     "bos": self.ppl_bos}
         if self.cfg.kl and (self.recorded or self.reference):
-            res["fidelity"] = {name: F.summarize(f) for name, f in self.fidelity.items()}
-            res["kl"] = {name: e["kl"] for name, e in res["fidelity"].items()}
-            res["top1"] = {name: e["top1"] for name, e in res["fidelity"].items()}
+            res["closeness"] = {name: F.summarize(f) for name, f in self.fidelity.items()}
+            res["kl"] = {name: e["kl"] for name, e in res["closeness"].items()}
+            res["top1"] = {name: e["top1"] for name, e in res["closeness"].items()}
         mc = [e["value"] for t, e in res["tasks"].items() if TASKS[t].output_type == "multiple_choice"]
         res["average"] = sum(mc) / len(mc) if mc else None
         res["bos_added"] = S.bos_added(self.tok, self.add_bos)

@@ -166,9 +166,9 @@ def markdown_table(res: dict) -> str:
         out += "\n\n| perplexity set | PPL | tokens | windows | seq_len | stride | BOS |\n|---|---|---|---|---|---|---|\n"
         out += "\n".join(f"| {p} | {e['ppl']:.3f} | {e['tokens']} | {e['windows']} | {e['seq_len']} | "
                          f"{e['stride']} | {e['bos']} |" for p, e in res["perplexity"].items())
-    if res.get("fidelity"):
+    if res.get("closeness"):
         out += "\n\n| closeness set | KL(original ‖ model), nats/position | top-1 agreement | positions | items |\n" \
                "|---|---|---|---|---|\n"
         out += "\n".join(f"| {p} | {e['kl']:.4f} [{e['kl_ci'][0]:.4f}, {e['kl_ci'][1]:.4f}] | "
-                         f"{100 * e['top1']:.2f} % | {e['positions']} | {e['items']} |" for p, e in res["fidelity"].items())
+                         f"{100 * e['top1']:.2f} % | {e['positions']} | {e['items']} |" for p, e in res["closeness"].items())
     return out + "\n"
