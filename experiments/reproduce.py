@@ -42,7 +42,7 @@ import torch
 
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.calibration.auto import coinciding_fits
-from shift_lightning.calibration.solvers.ridge import LRAAuto
+from shift_lightning.calibration.solvers.ridge import LRA
 from shift_lightning.arch import decoder_layers
 from shift_lightning.criteria import REPAIR_AWARE, PruneConfig
 from shift_lightning.errors import ConfigError
@@ -472,7 +472,7 @@ def _twin(cfg: ReproduceConfig, module: CalibrationModule, variant: str) -> str 
     if module.fit_choice is not None:
         return module.fit_choice.get("chosen")
     if variant in ("lra_span", "lra_anchored"):
-        return coinciding_fits(LRAAuto.fits, module.spans).get(variant)
+        return coinciding_fits(LRA.fits, module.spans).get(variant)
     if variant == "lra_replaceme_anchored":  # one span: nothing before it to anchor
         return "lra_replaceme" if len(module.spans) == 1 else None
     if variant not in module.guards:

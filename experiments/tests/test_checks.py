@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from experiments import variants
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -134,7 +136,7 @@ def test_low_rank_check_rows_from_one_pass_and_full_rank_equals_the_solvers(tmp_
     held = torch.arange(len(win)) % 4 == 3
     fit, judge = (TokenWindows(win.input_ids[k], win.attention_mask[k]) for k in (~held, held))
     refs = window_references(model, judge.input_ids, judge.attention_mask)
-    mod = CalibrationModule(model, [3, 4], CalibrationConfig(heldout=False), solvers=list(B.SOLVERS))
+    mod = CalibrationModule(model, [3, 4], CalibrationConfig(heldout=False), solvers=variants.knobs(B.SOLVERS))
     mod.calibrate(L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, inference_mode=False), fit, batch_size=4)
     for name in B.SOLVERS:

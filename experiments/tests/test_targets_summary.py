@@ -47,7 +47,7 @@ def test_render_orders_by_model_and_names_a_missing_table(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "| m | `lra` | 4 of 4 | 4 of 4 ✓ | 1 of 4 ✗ | 81.0 [71.0, 91.0] (a) ✓ | 4 of 4 ✓ | 1 of 4 ✗ | – |" in md
     assert [x["repair"] for x in json.loads(out.with_suffix(".json").read_text())["lines"]] == ["lra", "lra_auto"]
-    with pytest.raises(FileNotFoundError, match="fidelity_table --repair"):
+    with pytest.raises(FileNotFoundError, match="closeness_table --repair"):
         render(TargetsSummaryConfig(tables=[*paths, str(tmp_path / "nope.json")], out=str(tmp_path / "t")))
 
 
