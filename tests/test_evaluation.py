@@ -372,3 +372,7 @@ def test_robust_summary_a_collapsed_model_cannot_win():
     assert d["robust_diff_ci"][0] > 0.5
 
 
+    # each row's means are computed once and reused: asking again, in any order, gives the same numbers
+    fresh = Bootstrap(rows, "original", n_boot=500)
+    assert fresh.difference("original", "collapsed") == d
+    assert b.summary("collapsed") == sc == fresh.summary("collapsed")

@@ -59,6 +59,7 @@ class Bootstrap:
                                     size=(n_boot, len(first[t]["per_doc"]["doc_ids"]))) for t in self.tasks}
         self.chance = {t: float(first[t]["chance"]) for t in self.tasks}
         self._vec = {n: task_vectors(r) for n, r in rows.items()}
+        self._memo: dict[str, tuple[dict[str, float], dict[str, np.ndarray]]] = {}
         o = self._vec[original]
         self._orig_point = {t: float(o[t].mean()) for t in self.tasks}
         self._orig_boot = {t: o[t][self.idx[t]].mean(1) for t in self.tasks}
@@ -66,8 +67,13 @@ class Bootstrap:
                          if self._orig_point[t] - self.chance[t] > 3 * float(self._orig_boot[t].std())]
 
     def _means(self, name: str) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-        v = self._vec[name]
-        return {t: float(v[t].mean()) for t in self.tasks}, {t: v[t][self.idx[t]].mean(1) for t in self.tasks}
+        """One row's per-task means and resampled means (computed once per row: the tables ask for a row many
+        times, in its summary and in each difference it is part of; callers only read them)."""
+        if name not in self._memo:
+            v = self._vec[name]
+            self._memo[name] = ({t: float(v[t].mean()) for t in self.tasks},
+                                {t: v[t][self.idx[t]].mean(1) for t in self.tasks})
+        return self._memo[name]
 
     def _robust(self, means: dict, orig: dict, floor: bool = False):
         if not self.eligible:
