@@ -200,12 +200,25 @@ def _cwd(path: Path):
         os.chdir(old)
 
 
-def render(root: Path = ROOT, quiet: bool = False) -> dict[Job, list[str]]:
+@contextlib.contextmanager
+def _without_matplotlib():
+    """``import matplotlib`` fails for the length of the ``with``: every tool then skips its plot (matplotlib is
+    optional to them), and writes its tables as usual."""
+    saved = {k: v for k, v in sys.modules.items() if k == "matplotlib" or k.startswith("matplotlib.")}
+    sys.modules["matplotlib"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        del sys.modules["matplotlib"]
+        sys.modules.update(saved)
+
+
+def render(root: Path = ROOT, quiet: bool = False, plots: bool = True) -> dict[Job, list[str]]:
     """Run every job with ``root`` (a folder holding ``results/``) as the working folder; returns, per job, the
-    files under ``results/`` it wrote (paths relative to ``root``)."""
+    files under ``results/`` it wrote (paths relative to ``root``). ``plots=False``: no PNG (a third of the time)."""
     root = Path(root).resolve()
     written: dict[Job, list[str]] = {}
-    with _cwd(root):
+    with _cwd(root), (contextlib.nullcontext() if plots else _without_matplotlib()):
         before = _snapshot(root)
         for job in jobs():
             t0 = time.time()
@@ -226,10 +239,12 @@ def render(root: Path = ROOT, quiet: bool = False) -> dict[Job, list[str]]:
 
 
 def copy_results(dest: Path, src: Path = ROOT) -> Path:
-    """``src/results`` copied to ``dest/results`` (replacing one there); returns ``dest``."""
+    """``src/results`` copied to ``dest/results`` (which must not exist yet); returns ``dest``."""
     dest = Path(dest)
     if (dest / RESULTS).exists():
-        shutil.rmtree(dest / RESULTS)
+        raise SystemExit(f"error: {dest / RESULTS} exists; --out needs a folder without results/ in it")
+    if (dest / RESULTS).resolve().is_relative_to((src / RESULTS).resolve()):
+        raise SystemExit(f"error: --out {dest} lies inside {src / RESULTS}")
     shutil.copytree(src / RESULTS, dest / RESULTS)
     return dest
 
@@ -265,13 +280,13 @@ def _close(a, b, rel: float = 1e-9) -> bool:
     return a == b
 
 
-def check(out: Path | None = None, quiet: bool = False) -> list[str]:
+def check(out: Path | None = None, quiet: bool = False, plots: bool = True) -> list[str]:
     """Render into a copy of ``results/`` (``out``, else a scratch folder); the problems found: rendered files
     that differ from the committed ones, committed tables that no job renders and :data:`NOT_RENDERED` does not
-    excuse, and jobs that wrote nothing."""
+    excuse, and jobs that wrote nothing. PNGs are not compared (``plots=False``: not rendered either)."""
     with contextlib.ExitStack() as stack:
         dest = Path(out) if out else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tables-")))
-        written = render(copy_results(dest), quiet=quiet)
+        written = render(copy_results(dest), quiet=quiet, plots=plots)
         problems = [f"differs from the committed file: {p}" for p in differences(dest)]
         rendered = {p for ps in written.values() for p in ps}
         problems += [f"no render job and not in NOT_RENDERED: {p}" for p in committed_tables()
@@ -285,16 +300,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="render into a copy and compare .md / .json with results/")
     ap.add_argument("--out", default=None, help="render into OUT/results (a copy of results/) instead of in place")
+    ap.add_argument("--no_plots", action="store_true", help="tables only, no PNG plots (faster)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     if a.check:
-        problems = check(a.out, a.quiet)
+        problems = check(a.out, a.quiet, not a.no_plots)
         for p in problems:
             print(p)
         print(f"{len(problems)} problem(s)" if problems else "every committed table re-renders identically")
         return 1 if problems else 0
     root = copy_results(Path(a.out)) if a.out else ROOT
-    written = render(root, a.quiet)
+    written = render(root, a.quiet, not a.no_plots)
     print(f"{len(written)} render jobs, {sum(map(len, written.values()))} files written under {root / RESULTS}")
     return 0
 

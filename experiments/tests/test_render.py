@@ -50,6 +50,7 @@ def no_model(monkeypatch):
 
 def test_every_committed_table_rerenders_identically(tmp_path, no_model):
     """The whole of ``make tables`` into ``tmp_path/results``: no rendered ``.md`` / ``.json`` differs from the
-    committed one, every committed ``.md`` table is rendered by a job or excused, and every job writes."""
-    problems = render.check(tmp_path, quiet=True)
+    committed one, every committed ``.md`` table is rendered by a job or excused, and every job writes. Without the
+    PNG plots: they are not compared, and drawing them is a third of the time."""
+    problems = render.check(tmp_path, quiet=True, plots=False)
     assert not problems, "\n".join(problems)
