@@ -6,12 +6,12 @@
 
 Each table is remade by its own tool's render-only path (``--render_only`` of the grids, the render functions of
 the cross-grid tables, the checks that read JSON only), with the arguments of the command that made it
-(``results/README.md``; a table made with special arguments is rendered with them). :data:`JOBS` is the one list
+(``results/README.md``; a table made with special arguments is rendered with them). :func:`jobs` is the one list
 of them, in the order they depend on each other (the closeness tables before the targets that read them).
 :data:`NOT_RENDERED` names every committed ``.md`` under ``results/`` that no job remakes, and why (hand-written
 READMEs; tables written by a script only while it runs a model). ``--check`` fails when a rendered ``.md`` or
 ``.json`` differs from the committed one, or when a committed ``.md`` is neither rendered nor excepted; PNG plots
-are rendered too but not compared (their bytes depend on matplotlib).
+are rendered too but not compared (their bytes depend on matplotlib; ``--no_plots``: tables only).
 
 ``--out DIR`` copies ``results/`` to ``DIR/results`` and renders there (the tools name their inputs and outputs
 relative to the repository root, and some record those paths in the tables, so the copy keeps that layout).
@@ -25,7 +25,9 @@ import importlib
 import io
 import json
 import math
+import logging
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -49,7 +51,7 @@ class Job:
     def __str__(self) -> str:
         script = self.tool.startswith("checks/")
         head = f"python experiments/{self.tool}.py" if script else f"python -m experiments.{self.tool}"
-        return " ".join([head, *(_quote(a) for a in self.args)])
+        return " ".join([head, *(shlex.quote(a) for a in self.args)])
 
     def main(self):
         if self.tool.startswith("checks/"):
@@ -57,12 +59,6 @@ class Job:
                 sys.path.insert(0, str(CHECKS))
             return importlib.import_module(self.tool.split("/", 1)[1]).main
         return importlib.import_module(f"experiments.{self.tool}").main
-
-
-def _quote(a: str) -> str:
-    import shlex
-
-    return shlex.quote(a)
 
 
 def _grid(model: str, *args: str) -> Job:
@@ -164,7 +160,8 @@ NOT_RENDERED = {
     "results/damping_smollm2.md": _RUNS_A_MODEL,
     "results/bench/gram_cpu.md": "a timing benchmark (benchmarks/gram.py): written while it measures",
     **{f"results/bench/{n}.md": _RUNS_A_MODEL for n in (
-        "anchored_check_gemma3", "anchored_check_joint_gemma3", "anchored_check_joint_smollm2", "anchored_check_smollm2",
+        "anchored_check_gemma3", "anchored_check_joint_gemma3", "anchored_check_joint_smollm2",
+        "anchored_check_smollm2",
         "auto_cost_joint_smollm2", "auto_cost_smollm2", "auto_cost_smollm2_one_span", "guard_cost_smollm2",
         "span_cost_smollm2", "joint_cost_gemma3", "joint_cost_gemma3_before_gram", "joint_cost_gemma3_derived",
         "joint_cost_gemma3_gram", "joint_cost_gemma3_idle", "joint_cost_smollm2", "joint_cost_smollm2_gram",
@@ -203,12 +200,14 @@ def _cwd(path: Path):
 @contextlib.contextmanager
 def _without_matplotlib():
     """``import matplotlib`` fails for the length of the ``with``: every tool then skips its plot (matplotlib is
-    optional to them), and writes its tables as usual."""
+    optional to them), and writes its tables as usual; their "matplotlib not installed" warnings are muted."""
     saved = {k: v for k, v in sys.modules.items() if k == "matplotlib" or k.startswith("matplotlib.")}
     sys.modules["matplotlib"] = None  # type: ignore[assignment]
+    logging.disable(logging.WARNING)
     try:
         yield
     finally:
+        logging.disable(logging.NOTSET)
         del sys.modules["matplotlib"]
         sys.modules.update(saved)
 

@@ -2,7 +2,7 @@
 
     python experiments/checks/refit_check.py --model smollm2-135m --criteria ppl --evaluate
     python experiments/checks/refit_check.py --model smollm2-135m --criteria taylor,random,magnitude_l1 --ks 1,2 --dampings 1e-2,1e-1
-    python experiments/checks/refit_check.py --out results/bench/refit_smollm2-135m --render_only   # the .md from the JSON
+    python experiments/checks/refit_check.py --out results/bench/refit_smollm2-135m --render_only  # .md from the JSON
 
 Every map the repo fits sits at the pruning site: a function of the state there, which the kept blocks after it
 then process as if nothing had changed. The richer-maps check found that richer features gain at most 14 % and
