@@ -44,3 +44,6 @@ reproduce: $(STAMP)  ## the paper's tables for MODEL (resumable; many CPU-hours,
 
 ablations: $(STAMP)  ## the paper's ablations on MODEL (resumable; reuses the grid's block choices)
 	$(PY) -m experiments.ablations --model $(MODEL)
+
+tables: $(STAMP)  ## re-render every committed table in results/ from its JSON (no model is run)
+	$(PY) -m experiments.render

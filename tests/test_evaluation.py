@@ -372,3 +372,28 @@ def test_robust_summary_a_collapsed_model_cannot_win():
     assert d["robust_diff_ci"][0] > 0.5
 
 
+    # each row's means are computed once and reused: asking again, in any order, gives the same numbers
+    fresh = Bootstrap(rows, "original", n_boot=500)
+    assert fresh.difference("original", "collapsed") == d
+    assert b.summary("collapsed") == sc == fresh.summary("collapsed")
+
+
+def test_bootstrap_resampled_means_are_the_drawn_outcomes_means_to_the_bit():
+    """The resampled means from draw counts equal the means of the drawn outcomes exactly (0/1 outcomes), and other
+    outcomes take the gather."""
+    import numpy as np
+
+    from shift_lightning.evaluation.summary import Bootstrap
+
+    rng = np.random.default_rng(1)
+    n = 257
+    rows = {name: {"tasks": {t: {"metric": "acc", "chance": 0.25, "per_doc": {
+        "doc_ids": list(range(n)), "acc": [int(v) for v in rng.random(n) < p]}} for t in ("a", "b")}}
+        for name, p in (("original", 0.6), ("x", 0.4), ("none", 0.0), ("all", 1.01))}
+    b = Bootstrap(rows, "original", n_boot=300)
+    for name in rows:
+        for t in ("a", "b"):
+            v = np.asarray(rows[name]["tasks"][t]["per_doc"]["acc"], dtype=np.float64)
+            assert np.array_equal(b._resampled(t, v), v[b.idx[t]].mean(1))
+    half = np.full(n, 0.5)
+    assert np.array_equal(b._resampled("a", half), half[b.idx["a"]].mean(1))

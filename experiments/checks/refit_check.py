@@ -2,6 +2,7 @@
 
     python experiments/checks/refit_check.py --model smollm2-135m --criteria ppl --evaluate
     python experiments/checks/refit_check.py --model smollm2-135m --criteria taylor,random,magnitude_l1 --ks 1,2 --dampings 1e-2,1e-1
+    python experiments/checks/refit_check.py --out results/bench/refit_smollm2-135m --render_only  # .md from the JSON
 
 Every map the repo fits sits at the pruning site: a function of the state there, which the kept blocks after it
 then process as if nothing had changed. The richer-maps check found that richer features gain at most 14 % and
@@ -73,13 +74,17 @@ def main(argv=None):
                     "kept only if closer on a held-out quarter of the fit windows (--calibration.refit_kept)")
     ap.add_argument("--evaluate", action="store_true", help="score the held-out choice as the grid scores a row")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--render_only", action="store_true", help="rewrite the markdown from the JSON")
     a = ap.parse_args(argv)
+    out = Path(a.out or f"results/bench/refit_{a.model.replace(':', '_')}")
+    if a.render_only:
+        render(json.loads(out.with_suffix(".json").read_text()), out)
+        return
     import lightning as L
 
     model, tok = C.build_model(a.model, torch.device("cpu"))
     n = len(decoder_layers(model))
     fit, judge, refs = C.heldout_split(model, tok, a.samples, a.seq_len)
-    out = Path(a.out or f"results/bench/refit_{a.model.replace(':', '_')}")
     doc = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {"rows": []}
     cmd = "python experiments/checks/refit_check.py " + " ".join(
         f"--{k} {v}" for k, v in vars(a).items() if v not in (None, False, True)) + \

@@ -59,15 +59,36 @@ class Bootstrap:
                                     size=(n_boot, len(first[t]["per_doc"]["doc_ids"]))) for t in self.tasks}
         self.chance = {t: float(first[t]["chance"]) for t in self.tasks}
         self._vec = {n: task_vectors(r) for n, r in rows.items()}
+        self._memo: dict[str, tuple[dict[str, float], dict[str, np.ndarray]]] = {}
+        self._counts: dict[str, np.ndarray] = {}
         o = self._vec[original]
         self._orig_point = {t: float(o[t].mean()) for t in self.tasks}
-        self._orig_boot = {t: o[t][self.idx[t]].mean(1) for t in self.tasks}
+        self._orig_boot = {t: self._resampled(t, o[t]) for t in self.tasks}
         self.eligible = [t for t in self.tasks
                          if self._orig_point[t] - self.chance[t] > 3 * float(self._orig_boot[t].std())]
 
     def _means(self, name: str) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-        v = self._vec[name]
-        return {t: float(v[t].mean()) for t in self.tasks}, {t: v[t][self.idx[t]].mean(1) for t in self.tasks}
+        """One row's per-task means and resampled means (computed once per row: the tables ask for a row many
+        times, in its summary and in each difference it is part of; callers only read them)."""
+        if name not in self._memo:
+            v = self._vec[name]
+            self._memo[name] = ({t: float(v[t].mean()) for t in self.tasks},
+                                {t: self._resampled(t, v[t]) for t in self.tasks})
+        return self._memo[name]
+
+    def _resampled(self, t: str, x: np.ndarray) -> np.ndarray:
+        """``x[self.idx[t]].mean(1)``, the mean of ``x`` over each resample of task ``t``'s docs. For 0/1 outcomes:
+        each resample's draw count of every doc (counted once per task) summed over the docs where ``x`` is 1, over
+        the number of docs. That integer is the exact sum of the drawn outcomes, so the result is the same to the bit
+        as the mean of the drawn outcomes, without gathering them (~7x faster)."""
+        idx = self.idx[t]
+        b, n = idx.shape
+        if not np.all((x == 0) | (x == 1)):
+            return x[idx].mean(1)
+        if t not in self._counts:
+            flat = (idx + n * np.arange(b)[:, None]).ravel()
+            self._counts[t] = np.bincount(flat, minlength=b * n).reshape(b, n).astype(np.min_scalar_type(n))
+        return self._counts[t][:, np.flatnonzero(x)].sum(1, dtype=np.int64) / n
 
     def _robust(self, means: dict, orig: dict, floor: bool = False):
         if not self.eligible:
