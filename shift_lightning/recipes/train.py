@@ -43,15 +43,28 @@ from ..checkpoint import ShiftSpec, is_shift_folder, load_pretrained, read_shift
 from ..resume import (AtomicCheckpointIO, check_checkpoint_dir, check_run, clear_checkpoints, read_checkpoint,
                       resolve_resume, run_key, run_settings)
 from .calibrate import check_early, local_inputs
+from .trainer import RecoveryTrainerConfig
 
 log = logging.getLogger(__name__)
 
-#: Trainer defaults for training (TensorBoard logs under runs/recovery; --trainer.* overrides them).
+#: Trainer settings training relies on (the knobs are :class:`~.trainer.RecoveryTrainerConfig`, ``--trainer.*``).
 RECOVERY_TRAINER_DEFAULTS: dict = dict(
-    accelerator="auto", devices=1, max_steps=100, val_check_interval=50, check_val_every_n_epoch=None,
-    use_distributed_sampler=False, log_every_n_steps=5, gradient_clip_val=1.0, inference_mode=False,
-    num_sanity_val_steps=0, enable_model_summary=False,
+    check_val_every_n_epoch=None, use_distributed_sampler=False, inference_mode=False, num_sanity_val_steps=0,
+    enable_model_summary=False,
 )
+
+
+def build_trainer(cfg: RecoveryTrainerConfig, output_dir: str | None, zeroshot: EvalConfig | None = None) -> L.Trainer:
+    """The training Trainer: ``--trainer.*`` over :data:`RECOVERY_TRAINER_DEFAULTS`, ``fsdp`` sharded block by
+    block (:class:`DecoderFSDPStrategy`), checkpoints, zero-shot accuracy, progress lines and the stop guards."""
+    from ..progress import with_stage_progress
+    from ..stopping import with_signal_guard
+
+    kw = {**RECOVERY_TRAINER_DEFAULTS, **cfg.kwargs()}
+    if kw["strategy"] == "fsdp":
+        kw["strategy"] = DecoderFSDPStrategy()
+    kw["callbacks"] = training_callbacks(output_dir, zeroshot, cfg.val_check_interval)
+    return L.Trainer(**with_signal_guard(with_stage_progress(kw)))
 
 
 @dataclass
