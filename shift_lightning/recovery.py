@@ -26,16 +26,17 @@ Training details a long run needs:
   (:class:`StepBatchSampler`) and dropout is reseeded from ``(seed, step, rank)``, so a resumed run
   equals an uninterrupted one.
 
-After ``trainer.fit``, :meth:`RecoveryModule.export` merges LoRA into the weights and saves a
-normal shift-lightning folder that :func:`shift_lightning.load_pretrained` reloads; under LoRA also the
-adapter in PEFT's format on top of the corrected base (:mod:`shift_lightning.export`).
+The module trains and validates; it writes no folders. After ``trainer.fit``, the training recipe
+(:mod:`shift_lightning.recipes.train`) exports it with :func:`shift_lightning.export.export_recovered`
+(LoRA merged into the weights, a folder :func:`shift_lightning.load_pretrained` reloads; under LoRA also the
+adapter in PEFT's format on top of the corrected base); :meth:`RecoveryModule.merged_model` gives the
+merged model in memory.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import lightning as L
 import torch
@@ -48,7 +49,6 @@ from .errors import ConfigError
 from .fidelity import kd_loss_sum, kl_top1_from_hidden
 from .nll import lm_nll_sum
 from .calibration.sites import pruned_positions
-from .export import export_recovered
 from .stepdata import RecoveryData, StepBatchSampler  # noqa: F401 (re-exported)
 from .surgery import adapter_module_names, adapter_set
 
@@ -292,7 +292,7 @@ class RecoveryModule(L.LightningModule):
             for logger in self.trainer.loggers:
                 logger.log_metrics(metrics, step=self.trainer.global_step)
 
-    # ---------------------------------------------------------------- export
+    # ---------------------------------------------------------------- the result
     def merged_model(self) -> nn.Module:
         """The plain corrected model with LoRA merged into the weights and trained LRAs in place.
 
@@ -301,14 +301,6 @@ class RecoveryModule(L.LightningModule):
         if hasattr(self.model, "merge_and_unload"):
             self.model = self.model.merge_and_unload()
         return self.model
-
-    def export(self, out_dir: str | Path, tokenizer, spec: dict, card=None, peft: bool = True,
-               base_ref: str | None = None) -> Path:
-        """Write the merged model into ``out_dir``; under LoRA (``peft``) also ``out_dir/lora`` (PEFT
-        adapter) and ``out_dir/base`` (the corrected base): :mod:`shift_lightning.export`. Afterwards
-        ``self.model`` is the merged plain model."""
-        self.model = export_recovered(self.model, tokenizer, out_dir, spec, card, peft, base_ref)
-        return Path(out_dir)
 
 
 def warmup_cosine(warmup: int, total: int, floor: float = 0.1):
