@@ -84,8 +84,9 @@ class RecoveryTrainerConfig(TrainerConfig):
     """Batches whose gradients add up to one optimizer step."""
     gradient_clip_val: float | None = 1.0
     """Clip gradients at this value (``null`` or 0: no clipping)."""
-    gradient_clip_algorithm: Literal["norm", "value"] = "norm"
-    """Clip the global gradient ``norm`` or each gradient ``value``."""
+    gradient_clip_algorithm: Literal["norm", "value"] | None = None
+    """Clip the global gradient ``norm`` (also when ``null``: recorded as null, as in earlier checkpoints) or each
+    gradient ``value``."""
     log_every_n_steps: int = 5
     """Log ``train/*`` every N steps."""
     logger: TensorBoardConfig = field(default_factory=TensorBoardConfig)
