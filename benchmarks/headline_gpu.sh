@@ -45,7 +45,7 @@ CMD=("$PY" train.py --config configs/llama8b_lora.yaml
      --zeroshot.limit 4 --zeroshot.data_dir tests/data/eval_tiny --zeroshot.batch_size 8
      --recovery.warmup_steps 2 "${SIZES[@]}"
      --trainer.devices 1 --trainer.strategy auto --trainer.accumulate_grad_batches 1 --trainer.log_every_n_steps 1
-     --trainer.logger.init_args.save_dir "$OUT/tb" --trainer.logger.init_args.name headline
+     --trainer.logger.save_dir "$OUT/tb" --trainer.logger.name headline
      --output_dir "$OUT/headline_model" --overwrite)
 step() {  # step NAME CMD...: run, log, and on failure print the log's tail and stop
   local name=$1; shift

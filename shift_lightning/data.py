@@ -6,75 +6,16 @@ from __future__ import annotations
 import json
 import logging
 import random
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch.utils.data import Dataset
 
-from .errors import ConfigError
+from .config import CALIBRATION_SOURCE, TextDataConfig  # noqa: F401 (re-exported)
 from .sources import (DataError, _loads, _records_to_texts, load_texts, read_text_file,  # noqa: F401 (re-exported)
                       wiki_summaries, wiki_summaries_path)
 
 log = logging.getLogger(__name__)
-
-
-#: The default calibration text of calibrate.py / train.py (``--data.source``): wiki-summaries plus reading
-#: passages and question-answer text (:func:`shift_lightning.corpora.mixed`). Chosen over wiki-summaries
-#: alone by the paper grids of both models: the LRA fitted on it is closer to the original than pruning
-#: on every closeness set under all 10 criteria on SmolLM2 (wiki-fitted: 6) and under every Gemma
-#: criterion run (README, "Closeness to the original"). Generic text (fine-tuning, validation, perplexity)
-#: stays wiki-summaries.
-CALIBRATION_SOURCE = "mixed"
-
-
-@dataclass
-class TextDataConfig:
-    """Which text to use and how to cut it into token windows."""
-
-    source: str = "wiki_summaries"
-    """``wiki_summaries``, ``mixed``, a local file/folder (.txt/.json/.jsonl/save_to_disk), or
-    ``hf:name[:config]`` (:mod:`shift_lightning.sources`)."""
-    split: str = "calibration"
-    """For wiki_summaries / mixed: ``calibration`` or ``heldout``; for hf/save_to_disk sources: the split name."""
-    text_field: str = "text"
-    """Field holding the text in JSON/JSONL/HF records (``extract`` is tried for wiki-summaries)."""
-    num_samples: int = 128
-    """Number of token windows (sequences)."""
-    seq_len: int = 512
-    """Tokens per window (including BOS when added)."""
-    packing: bool = True
-    """Concatenate documents and cut full windows (no padding). ``False``: one document per
-    window, truncated and right-padded (padding is masked everywhere)."""
-    add_bos: str = "auto"
-    """Prepend BOS to every window: ``auto`` (when the tokenizer adds it itself, or for Gemma),
-    ``true`` or ``false``."""
-    seed: int = 0
-    """Shuffle seed for document order."""
-    batch_size: int = 4
-    """Windows per forward pass."""
-    format: Literal["text", "alpaca"] = "text"
-    """``text``: documents, the loss on every token; ``alpaca``: instruction records (``instruction``,
-    ``input``, ``output``) in the Stanford Alpaca prompt, one example per window (truncated, padded),
-    the loss on the response only."""
-
-    def validate(self, option: str = "--data", optional: bool = False) -> None:
-        """Cheap checks before any model is loaded (``option``: how the command line names this set;
-        ``optional``: ``num_samples 0`` switches the set off)."""
-        least = 0 if optional else 1
-        for name, v, lo in (("num_samples", self.num_samples, least), ("seq_len", self.seq_len, 2),
-                            ("batch_size", self.batch_size, 1)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                off = " (0 switches it off)" if name == "num_samples" and optional else ""
-                raise ConfigError(f"{option}.{name} must be an integer >= {lo}{off}, got {v!r}")
-        if self.add_bos not in ("auto", "true", "false", True, False):
-            raise ConfigError(f"{option}.add_bos must be auto, true or false, got {self.add_bos!r}")
-        src = self.source
-        if src not in ("wiki_summaries", "wiki-summaries", "mixed") and not src.startswith("hf:") \
-                and not Path(src).expanduser().exists():
-            raise DataError(f"{option}.source not found: {src}. Use wiki_summaries, mixed, an existing "
-                            ".txt/.json/.jsonl file or folder, or hf:<dataset>[:<config>].")
 
 
 # --------------------------------------------------------------------------------------------

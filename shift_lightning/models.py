@@ -25,14 +25,14 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from . import assets
+from .config import ModelConfig  # noqa: F401 (re-exported)
 from .arch import SUPPORTED_FAMILIES, ModelLoadError, decoder_layers, final_norm  # noqa: F401 (re-exported)
 from .outputs import make_temp_dir
 
@@ -45,30 +45,6 @@ GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a681
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}
-
-
-@dataclass
-class ModelConfig:
-    """Where the model comes from and how to load it."""
-
-    name_or_path: str = "smollm2-135m"
-    """HF hub id, local HF folder, path to a ``.gguf`` file, or an embedded name
-    (``smollm2-135m``, ``gemma3-270m``). Ignored when ``tiny`` is set."""
-    gguf_file: str | None = None
-    """GGUF file name inside ``name_or_path`` when that is a folder holding several files."""
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
-    """Weights dtype after loading: float32, bfloat16, float16 (or float64 for tests)."""
-    tiny: dict[str, Any] | None = None
-    """Build a tiny random model instead: ``{"family": "llama", "num_hidden_layers": 6, ...}``;
-    any other key overrides the HF config. Used by tests and the tiny config."""
-    seed: int = 0
-    """Seed for the tiny random model's initialisation."""
-    cache_dir: str | None = None
-    """Where de-quantised GGUF models are cached (default ``~/.cache/shift_lightning/gguf``)."""
-    trust_remote_code: bool = False
-    """Passed to ``from_pretrained``; stays off unless you ask for it."""
-    revision: str | None = None
-    """Hub revision (commit/branch/tag) for hub ids."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,18 +26,17 @@ Training details a long run needs:
   (:class:`StepBatchSampler`) and dropout is reseeded from ``(seed, step, rank)``, so a resumed run
   equals an uninterrupted one.
 
-After ``trainer.fit``, :meth:`RecoveryModule.export` merges LoRA into the weights and saves a
-normal shift-lightning folder that :func:`shift_lightning.load_pretrained` reloads; under LoRA also the
-adapter in PEFT's format on top of the corrected base (:mod:`shift_lightning.export`).
+The module trains and validates; it writes no folders. After ``trainer.fit``, the training recipe
+(:mod:`shift_lightning.recipes.train`) exports it with :func:`shift_lightning.export.export_recovered`
+(LoRA merged into the weights, a folder :func:`shift_lightning.load_pretrained` reloads; under LoRA also the
+adapter in PEFT's format on top of the corrected base); :meth:`RecoveryModule.merged_model` gives the
+merged model in memory.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal
 
 import lightning as L
 import torch
@@ -45,89 +44,13 @@ from torch import nn
 
 from . import dist, stopping
 from .arch import base_model, decoder_layers
+from .config import DEFAULT_TARGETS, RecoveryConfig  # noqa: F401 (re-exported)
 from .errors import ConfigError
 from .fidelity import kd_loss_sum, kl_top1_from_hidden
 from .nll import lm_nll_sum
 from .calibration.sites import pruned_positions
-from .export import export_recovered
 from .stepdata import RecoveryData, StepBatchSampler  # noqa: F401 (re-exported)
 from .surgery import adapter_module_names, adapter_set
-
-DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@dataclass
-class RecoveryConfig:
-    """What is fine-tuned after calibration, and how."""
-
-    method: Literal["lora", "partial", "lra"] = "lora"
-    """``lora`` (PEFT LoRA), ``partial`` (whole blocks) or ``lra`` (only the adapters)."""
-    train_lra: bool = False
-    """Also train the Linear Residual Adapters (initialised at their closed-form solution)."""
-    lora_r: int = 8
-    """LoRA rank."""
-    lora_alpha: int = 16
-    """LoRA scaling numerator (scale = alpha / r)."""
-    lora_dropout: float = 0.05
-    """Dropout on the LoRA branch."""
-    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    """Module names LoRA wraps inside the decoder blocks."""
-    partial_blocks: list[int] | None = None
-    """``partial``: pruned-model block positions to unfreeze (default: the block after each site)."""
-    lr: float = 2e-4
-    """Learning rate for LoRA / unfrozen blocks."""
-    lra_lr: float | None = None
-    """Learning rate for the adapters (default: ``lr``)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay (never applied to biases or norms)."""
-    warmup_steps: int = 0
-    """Linear warm-up steps, then cosine decay to ``min_lr_ratio`` over ``trainer.max_steps``."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak."""
-    seed: int = 0
-    """Seed of the data order and of dropout (reseeded per step, so resuming is exact)."""
-    loss: Literal["nll", "kd"] = "nll"
-    """``nll``: next-token NLL; ``kd``: the mean KL(original ‖ model) against the original's top ``kd_topk``
-    on every training window read, recorded before pruning (windows × tokens × ``kd_topk`` × 12 bytes, logged)."""
-    kd_topk: int = 64
-    """``kd``: the original's most likely tokens kept per training position (the rest is one tail bucket)."""
-    loss_chunk_tokens: int = 1024
-    """Positions per chunk of the LM-head loss (bounds the float32 logits kept in memory)."""
-    val_kl: bool = True
-    """Log ``val/kl`` (KL(original ‖ model), nats per position) and ``val/top1`` at every validation, against the
-    original's top-``val_kl_topk`` on the validation windows, recorded before pruning (or from a folder's base)."""
-    val_kl_topk: int = 256
-    """The original's most likely tokens kept per validation position."""
-    gradient_checkpointing: bool = False
-    """Recompute each block's activations in the backward pass instead of keeping them: training
-    memory drops to about the model plus one block's activations, for about a third more compute."""
-
-    def validate(self) -> None:
-        """Cheap checks before anything is loaded or calibrated."""
-        if self.method not in ("lora", "partial", "lra"):
-            raise ConfigError(f"--recovery.method must be 'lora', 'partial' or 'lra', got {self.method!r}")
-        if self.loss not in ("nll", "kd"):
-            raise ConfigError(f"--recovery.loss must be 'nll' or 'kd', got {self.loss!r}")
-        for name, v in {"lr": self.lr, "lra_lr": self.lra_lr}.items():
-            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ConfigError(f"--recovery.{name} must be a finite number > 0, got {v}")
-        for name, v, lo in (("lora_r", self.lora_r, 1), ("lora_alpha", self.lora_alpha, 1),
-                            ("loss_chunk_tokens", self.loss_chunk_tokens, 1), ("val_kl_topk", self.val_kl_topk, 1),
-                            ("kd_topk", self.kd_topk, 1),
-                            ("warmup_steps", self.warmup_steps, 0)):
-            if not isinstance(v, int) or v < lo:
-                raise ConfigError(f"--recovery.{name} must be an integer >= {lo}, got {v}")
-        if not (0 <= self.lora_dropout < 1):
-            raise ConfigError(f"--recovery.lora_dropout must be in [0, 1), got {self.lora_dropout}")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ConfigError(f"--recovery.weight_decay must be a finite number >= 0, got {self.weight_decay}")
-        if not (0 <= self.min_lr_ratio <= 1):
-            raise ConfigError(f"--recovery.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.method == "lora" and not self.target_modules:
-            raise ConfigError("--recovery.target_modules is empty: LoRA would wrap nothing")
-        if self.partial_blocks is not None and any(not isinstance(i, int) or i < 0 for i in self.partial_blocks):
-            raise ConfigError(f"--recovery.partial_blocks must be block positions >= 0, got {self.partial_blocks}")
-
 
 class RecoveryModule(L.LightningModule):
     """Fine-tunes a corrected model; see the module docstring for what it logs and checkpoints."""
@@ -369,7 +292,7 @@ class RecoveryModule(L.LightningModule):
             for logger in self.trainer.loggers:
                 logger.log_metrics(metrics, step=self.trainer.global_step)
 
-    # ---------------------------------------------------------------- export
+    # ---------------------------------------------------------------- the result
     def merged_model(self) -> nn.Module:
         """The plain corrected model with LoRA merged into the weights and trained LRAs in place.
 
@@ -378,14 +301,6 @@ class RecoveryModule(L.LightningModule):
         if hasattr(self.model, "merge_and_unload"):
             self.model = self.model.merge_and_unload()
         return self.model
-
-    def export(self, out_dir: str | Path, tokenizer, spec: dict, card=None, peft: bool = True,
-               base_ref: str | None = None) -> Path:
-        """Write the merged model into ``out_dir``; under LoRA (``peft``) also ``out_dir/lora`` (PEFT
-        adapter) and ``out_dir/base`` (the corrected base): :mod:`shift_lightning.export`. Afterwards
-        ``self.model`` is the merged plain model."""
-        self.model = export_recovered(self.model, tokenizer, out_dir, spec, card, peft, base_ref)
-        return Path(out_dir)
 
 
 def warmup_cosine(warmup: int, total: int, floor: float = 0.1):

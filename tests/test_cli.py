@@ -256,3 +256,104 @@ def test_the_judges_work_after_their_pass_shows_progress(solver, mode, stage):
     assert re.search(rf"{stage}: done, {n} steps in 0:00:\d\d", lines[-1]) and len(lines) == n + 1
 
 
+# ------------------------------------------------------------------------------------------------
+# --trainer.*: typed choices checked before anything runs; --help / --print_config without the frameworks
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("main,config,option,value,match", [
+    ("calibrate", "tiny.yaml", "accelerator", "gpux", "Expected a typing.Literal['auto', 'cpu', 'gpu', 'cuda', 'mps']"),
+    ("calibrate", "tiny.yaml", "strategy", "dpp", "Expected a typing.Literal['auto', 'ddp']"),
+    ("calibrate", "tiny.yaml", "devices", "0", "--trainer.devices must be a count >= 1, -1 (all devices), auto or a list"),
+    ("evaluate", "eval_tiny.yaml", "devices", "[0, 0]", "--trainer.devices must be a count >= 1"),
+    ("evaluate", "eval_tiny.yaml", "devices", "two", 'Parser key "trainer.devices"'),
+    ("evaluate", "eval_tiny.yaml", "precision", "bf16", "Expected a typing.Literal['32-true', '16-mixed', 'bf16-mixed'"),
+    ("train", "tiny_lora.yaml", "strategy", "ddp_spwan", "Expected a typing.Literal['auto', 'ddp', 'fsdp']"),
+    ("train", "tiny_lora.yaml", "val_check_interval", "0",
+     "--trainer.val_check_interval must be an integer >= 1 (training batches between validations); got 0"),
+    ("train", "tiny_lora.yaml", "accumulate_grad_batches", "0", "--trainer.accumulate_grad_batches must be an integer >= 1"),
+    ("train", "tiny_lora.yaml", "max_steps", "-1", "--trainer.max_steps must be an integer >= 0"),
+])
+def test_bad_trainer_values_are_one_line_errors_before_anything_runs(main, config, option, value, match, tmp_path, capsys):
+    """A bad ``--trainer.*`` value is refused at parse time in one line naming the option (Lightning used to
+    refuse it with a traceback after the output folder was made, or, for ``accumulate_grad_batches 0``,
+    to train 0 steps and exit 0)."""
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as e:
+        getattr(cli, f"{main}_main")(["--config", config, "--output_dir", str(out), f"--trainer.{option}", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and "Traceback" not in err, err
+    assert match in err.splitlines()[0], err
+    assert not out.exists()
+
+
+def test_trainer_choices_are_ones_lightning_knows():
+    """Every fixed choice of the ``--trainer.*`` knobs names an accelerator, strategy or precision of Lightning."""
+    import typing
+
+    from lightning.fabric.connector import _PRECISION_INPUT_STR
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from shift_lightning.recipes.trainer import Accelerator, Precision, RecoveryTrainerConfig, TrainerConfig
+
+    def choices(cls, name):
+        return set(typing.get_args(typing.get_type_hints(cls)[name]))
+
+    assert set(typing.get_args(Precision)) <= set(typing.get_args(_PRECISION_INPUT_STR))
+    assert set(typing.get_args(Accelerator)) - {"auto", "gpu"} <= set(AcceleratorRegistry.available_accelerators())
+    for cls in (TrainerConfig, RecoveryTrainerConfig):
+        assert choices(cls, "strategy") - {"auto"} <= set(StrategyRegistry.available_strategies()), cls
+    assert choices(TrainerConfig, "strategy") == {"auto", "ddp"} and "fsdp" in choices(RecoveryTrainerConfig, "strategy")
+
+
+def test_trainer_values_parse_and_reach_the_trainer_arguments():
+    p = cli.train_parser()
+    base = ["--config", "tiny_lora.yaml", "--output_dir", "/tmp/unused"]
+    for given, want in (("auto", "auto"), ("-1", -1), ("2", 2), ("[0, 2]", [0, 2])):
+        init = p.instantiate_classes(cli.parse_args(p, [*base, "--trainer.devices", given, "--trainer.accelerator", "gpu"]))
+        init.trainer.validate()
+        assert init.trainer.devices == want
+    init.trainer.accelerator = "cpu"
+    with pytest.raises(cli.ConfigError, match=r"--trainer.devices \[0, 2\] lists device indices, which CPUs do not have"):
+        init.trainer.validate()
+    init = p.instantiate_classes(cli.parse_args(p, [*base, "--trainer.val_check_interval", "3",
+                                                    "--trainer.logger.save_dir", "null"]))
+    kw = init.trainer.kwargs()
+    assert kw["val_check_interval"] == 3 and kw["logger"] is False and kw["max_steps"] == 12
+    from shift_lightning.recipes.train import build_trainer
+
+    from shift_lightning.recipes.train import DecoderFSDPStrategy
+
+    trainer = build_trainer(init.trainer, None)
+    assert trainer.max_steps == 12 and trainer.accumulate_grad_batches == 1 and trainer.logger is None
+    init.trainer.strategy = "fsdp"  # configs/llama8b_lora_fsdp.yaml: sharded block by block
+    assert isinstance(build_trainer(init.trainer, None).strategy, DecoderFSDPStrategy)
+
+
+def test_help_and_print_config_answer_without_torch_lightning_or_transformers():
+    """``--help`` and ``--print_config`` of every entry point parse without importing the frameworks (they
+    took ~9 s; the parse alone is well under a second)."""
+    import subprocess
+    import sys
+
+    code = """
+import contextlib, io, sys
+from shift_lightning.recipes import cli
+cases = [(cli.calibrate_main, ["--help"]), (cli.train_main, ["--help"]), (cli.evaluate_main, ["--help"]),
+         (cli.calibrate_main, ["--config", "tiny.yaml", "--output_dir", "/tmp/unused", "--print_config"]),
+         (cli.train_main, ["--config", "llama8b_lora_fsdp.yaml", "--output_dir", "/tmp/unused", "--print_config"]),
+         (cli.evaluate_main, ["--config", "eval_tiny.yaml", "--output_dir", "/tmp/unused", "--print_config"])]
+for main, argv in cases:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main(argv)
+        except SystemExit as e:
+            assert e.code in (0, None), (argv, e.code)
+    assert "trainer" in out.getvalue(), argv
+    print(argv[-1], len(out.getvalue()))
+print("loaded:", sorted(m for m in ("torch", "lightning", "transformers", "peft") if m in sys.modules))
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("--help") == 3 and r.stdout.count("--print_config") == 3, r.stdout
+    assert "loaded: []" in r.stdout, r.stdout

@@ -162,7 +162,7 @@ def test_case5_negative_learning_rate_is_refused_before_calibration(monkeypatch,
 
 def _train_args(tmp_path, name, *extra):
     return ["--config", "tiny_lora.yaml", "--output_dir", str(tmp_path / name), "--zeroshot.tasks", "",
-            "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *extra]
+            "--trainer.logger.save_dir", str(tmp_path / "runs"), *extra]
 
 
 def test_case6_fewer_steps_than_the_validation_interval_still_validate_the_result(tmp_path, capsys, caplog):

@@ -110,9 +110,9 @@ def _train_cli(*args, world=1, check=True):
 
 def _one_and_two_processes(tmp_path, common: list[str]) -> tuple[dict, dict]:
     """train.py on 1 process (batch 4) and on 2 DDP processes (batch 2 each): their recovery reports."""
-    _train_cli("--output_dir", str(tmp_path / "one"), "--trainer.logger.init_args.save_dir", str(tmp_path / "r1"),
+    _train_cli("--output_dir", str(tmp_path / "one"), "--trainer.logger.save_dir", str(tmp_path / "r1"),
                *common)
-    _train_cli("--output_dir", str(tmp_path / "two"), "--trainer.logger.init_args.save_dir", str(tmp_path / "r2"),
+    _train_cli("--output_dir", str(tmp_path / "two"), "--trainer.logger.save_dir", str(tmp_path / "r2"),
                "--train_data.batch_size", "2", *common, world=2)
     return tuple(json.loads((tmp_path / d / "recovery_report.json").read_text()) for d in ("one", "two"))
 

@@ -114,6 +114,16 @@ def test_the_product_never_imports_experiments_or_benchmarks(tmp_path):
     assert _outside_imports(fake) == {"shift_lightning/m.py": ["benchmarks.solve", "experiments.harness"]}
 
 
+def test_the_recovery_module_trains_and_validates_and_writes_no_folders():
+    """Writing the output folders belongs to the training recipe: the LightningModule imports neither the
+    exporters nor the folder helpers (also inside functions) and has no export method."""
+    writers = {"shift_lightning.export", "shift_lightning.outputs", "shift_lightning.checkpoint", "shift_lightning.card"}
+    assert _module_graph()["shift_lightning.recovery"] & writers == set()
+    from shift_lightning.recovery import RecoveryModule
+
+    assert not hasattr(RecoveryModule, "export")
+
+
 def test_framework_free_modules_do_not_import_lightning():
     for name in ("stats", "lra", "criteria/base", "criteria/scorers", "criteria/linear_fit", "arch", "nll", "errors",
                  "outputs", "fidelity", "calibration/sites", "calibration/maps", "calibration/solvers/ridge",

@@ -16,8 +16,19 @@
 =================  ======================================================================================
 """
 
-from .config import CalibrationConfig, SolverName  # noqa: F401
-from .maps import Correction, SpanMap  # noqa: F401
-from .module import CalibrationModule, check_windows  # noqa: F401
-from .sites import Site, contiguous_spans, pruned_positions  # noqa: F401
-from .solvers import SOLVERS, Solver, get_solver, register  # noqa: F401
+from importlib import import_module
+
+#: Public name -> the submodule defining it, imported on first use (``from .calibration.config import
+#: CalibrationConfig`` stays free of torch and Lightning, so ``--help`` answers fast).
+_EXPORTS = {
+    "CalibrationConfig": "config", "SolverName": "config", "Correction": "maps", "SpanMap": "maps",
+    "CalibrationModule": "module", "check_windows": "module", "Site": "sites", "contiguous_spans": "sites",
+    "pruned_positions": "sites", "SOLVERS": "solvers", "Solver": "solvers", "get_solver": "solvers", "register": "solvers",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -6,50 +6,18 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 from torch import nn
 
 from ..arch import decoder_layers
+from ..config import PruneConfig  # noqa: F401 (re-exported)
 from ..errors import ShiftError
 
 
 class CriterionError(ShiftError, ValueError):
     """Bad pruning request (unknown criterion, impossible ratio, missing data, bad indices)."""
-
-
-@dataclass
-class PruneConfig:
-    """Which blocks to remove: explicit ``layers`` or ``ratio`` + ``criterion``."""
-
-    layers: list[int] | None = None
-    """Explicit original block indices to remove (overrides ratio/criterion)."""
-    ratio: float = 0.25
-    """Fraction of blocks to remove: ⌊ratio·L⌋ blocks. Must be in [0, 1)."""
-    criterion: Literal["reverse", "reverse_star", "random", "magnitude_l1", "magnitude_l2", "taylor", "ppl",
-                       "block_influence", "angular", "linear_fit", "linear_fit_kl"] = "reverse_star"
-    """Selection criterion: reverse, reverse_star, random, magnitude_l1, magnitude_l2, taylor,
-    ppl, block_influence, angular, linear_fit, linear_fit_kl (see :mod:`shift_lightning.criteria`)."""
-    seed: int = 0
-    """Seed for the ``random`` criterion (recorded in the report)."""
-    keep_first: int = 0
-    """Guard: never remove the first ``keep_first`` blocks (0 = off). With ``keep_last`` this is
-    the "+" heuristic of Taylor+/PPL+ (Kim et al. 2024 keep the first 4 and last 2 blocks)."""
-    keep_last: int = 0
-    """Guard: never remove the last ``keep_last`` blocks (0 = off; ``True`` means 1)."""
-    angular_tokens: Literal["last", "all"] = "last"
-    """``angular`` only: compare hidden states on the ``last`` non-padding token of every window
-    (as published by Gromov et al.) or on ``all`` non-padding tokens."""
-    batch_size: int = 4
-    """Windows per forward pass of the data-driven criteria (scores do not depend on it)."""
-    heldout_every: int = 4
-    """``linear_fit`` / ``linear_fit_kl``: every k-th window judges the repaired spans; the others fit the maps."""
-    damping: float = 1e-4
-    """``linear_fit``: relative ridge damping of the maps it fits (use the calibration's)."""
-    max_stats_gb: float = 16.0
-    """``linear_fit``: memory for the per-block float64 statistics; more candidate blocks than fit in
-    it are fitted in several passes (one pass for every model up to d = 4096 with 32 blocks)."""
 
 
 @dataclass

