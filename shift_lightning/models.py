@@ -252,9 +252,9 @@ def _load_gguf(gguf_path: Path, cfg: ModelConfig):
         folder, name = str(gguf_path.parent), gguf_path.name
         try:
             with _no_tensor_bar():
-                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
                 model = AutoModelForCausalLM.from_pretrained(
-                    folder, gguf_file=name, dtype=_DTYPES[cfg.dtype],
+                    folder, gguf_file=name, dtype=_DTYPES[cfg.dtype], trust_remote_code=False,
                     quantization_config=GgufConfig(dequantize=True),
                 )
         except Exception:
@@ -276,11 +276,13 @@ def _load_gguf(gguf_path: Path, cfg: ModelConfig):
 
 
 def _load_hf(path: str, cfg: ModelConfig):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    kw = dict(trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    from .remote_code import load_tokenizer, trust_kwargs
+
+    kw = dict(**trust_kwargs(cfg.trust_remote_code), revision=cfg.revision)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+        tokenizer = load_tokenizer(path, cfg.trust_remote_code, revision=cfg.revision)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"Could not load a tokenizer from {path!r}: {e}") from e
     from .weightfiles import check_finite, check_safetensors_files, refusing_pickles

@@ -36,6 +36,7 @@ from ..errors import ConfigError
 from ..evaluation.runner import EvalConfig
 from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
+from ..remote_code import base_model_settings
 from ..reports import RecoveryReport
 from ..recovery import RecoveryConfig, RecoveryData, RecoveryModule
 from ..stepdata import visited
@@ -76,7 +77,7 @@ def base_model_config(spec: dict) -> ModelConfig | None:
     """The unpruned model a saved folder's record names (``None`` when it names none)."""
     base = spec.get("base_model")
     if isinstance(base, dict):
-        return ModelConfig(tiny=base["tiny"]) if set(base) == {"tiny"} else ModelConfig(**base)
+        return ModelConfig(tiny=base["tiny"]) if set(base) == {"tiny"} else ModelConfig(**base_model_settings(base))
     return ModelConfig(name_or_path=base) if isinstance(base, str) else None
 
 
