@@ -34,6 +34,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from .errors import ConfigError
+from .ownership import abandoned_file, is_our_checkpoint, work_file_name
 from .outputs import OutputError, OutputExistsError, is_write_failure, write_failure_reason
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,9 @@ def resolve_resume(ckpt_path: str | None, ckpt_dir: Path | None) -> Path | None:
 
 
 def _ours(p: Path) -> bool:
-    return p.is_file() and (p.suffix == ".ckpt" or ".ckpt.tmp-" in p.name)
+    """A checkpoint of a run (its run record inside) or an abandoned save of one: what ``--overwrite``
+    may delete (:mod:`~shift_lightning.ownership`); a ``*.ckpt`` a person put there is not."""
+    return is_our_checkpoint(p) if p.suffix == ".ckpt" else abandoned_file(p)
 
 
 def check_checkpoint_dir(ckpt_dir: Path | None, resuming: bool, overwrite: bool) -> None:
@@ -135,6 +138,9 @@ def check_checkpoint_dir(ckpt_dir: Path | None, resuming: bool, overwrite: bool)
         return
     entries = sorted(ckpt_dir.iterdir())
     ckpts = [p.name for p in entries if _ours(p)]
+    if (ckpt_dir / "last.ckpt").exists() and "last.ckpt" not in ckpts:
+        raise OutputExistsError(f"{ckpt_dir / 'last.ckpt'} is not a checkpoint of a run (no run record), and this run "
+                                "would write its own there: move it out first, or choose another --output_dir")
     if not ckpts:
         return
     if not overwrite:
@@ -142,7 +148,7 @@ def check_checkpoint_dir(ckpt_dir: Path | None, resuming: bool, overwrite: bool)
                                 "it with --ckpt_path last, or pass --overwrite to start afresh (they are deleted)")
     foreign = [p.name for p in entries if not _ours(p)]
     if foreign:
-        raise OutputExistsError(f"{ckpt_dir} holds files that are not checkpoints ({', '.join(foreign[:5])}); "
+        raise OutputExistsError(f"{ckpt_dir} holds files that are not checkpoints of a run ({', '.join(foreign[:5])}); "
                                 "--overwrite would delete the checkpoints next to them: move them out first")
 
 
@@ -166,7 +172,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp = work_file_name(path)
         try:
             super().save_checkpoint(checkpoint, tmp, storage_options)
             os.replace(tmp, path)

@@ -114,3 +114,105 @@ def test_an_adapter_only_record_cannot_turn_on_the_base_folders_code(tmp_path, m
     from shift_lightning.recipes.train import base_model_config
 
     assert base_model_config(json.loads((d / "shift_config.json").read_text())).trust_remote_code is False
+
+
+# ================================================================================================
+# Lost work (rule: what the tool may delete)
+# ================================================================================================
+def _live_owner(folder: Path, proc: subprocess.Popen) -> None:
+    import socket
+
+    from shift_lightning.ownership import OWNER, _start_time
+
+    (folder / OWNER).write_text(json.dumps({"pid": proc.pid, "host": socket.gethostname(),
+                                            "started": _start_time(proc.pid)}))
+
+
+def test_start_up_cleanup_removes_only_abandoned_work_folders(tmp_path):
+    from shift_lightning.outputs import prepare_output, publish_dir
+
+    out = tmp_path / "out"
+    mine = tmp_path / ".out.tmp-mybackup"  # a user's folder merely named like a leftover
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    live = tmp_path / ".out.tmp-live1"  # another run's, still computing
+    live.mkdir()
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        _live_owner(live, proc)
+        prepare_output(out)
+        publish_dir(out, lambda t: (t / "r.json").write_text("{}"))
+        assert (mine / "notes.txt").read_text() == "keep" and live.is_dir()
+    finally:
+        proc.kill()
+        proc.wait()
+    prepare_output(out, overwrite=True)  # its owner is dead now: an abandoned leftover
+    assert not live.exists() and mine.is_dir()
+
+
+def test_two_runs_into_the_same_new_output_keep_both_results(tmp_path):
+    from shift_lightning import outputs
+    from shift_lightning.outputs import PublishConflict, make_temp_dir, prepare_output, publish_dir
+
+    out = tmp_path / "out"
+    prepare_output(out)  # run B starts: the folder is new
+    b_tmp = make_temp_dir(tmp_path, ".out.tmp-")  # B's temp folder while it computes
+    outputs.claim(b_tmp)
+    publish_dir(out, lambda t: (t / "r.json").write_text('"A"'))  # run A (started meanwhile) publishes first
+    assert b_tmp.is_dir()  # A's publish left B's temp folder alone
+    outputs._AT_START[str(out.absolute())] = None  # back to what B saw at its start
+    with pytest.raises(PublishConflict, match=rf"Another run published {out} while this one was running; this run's "
+                                              rf"result was kept as {out}.run-\d+"):
+        publish_dir(out, lambda t: (t / "r.json").write_text('"B"'), overwrite=True)
+    assert (out / "r.json").read_text() == '"A"'
+    kept = next(tmp_path.glob("out.run-*"))
+    assert (kept / "r.json").read_text() == '"B"'
+
+
+def test_overwrite_keeps_a_users_own_checkpoint_and_an_edited_model_card(tmp_path, capsys):
+    import torch
+
+    from shift_lightning.outputs import OutputExistsError, prepare_output, publish_dir
+    from shift_lightning.resume import check_checkpoint_dir, clear_checkpoints
+
+    ck = tmp_path / "o.ckpt"
+    ck.mkdir()
+    torch.save({"shift_lightning": {"run": {}}, "state_dict": {}}, ck / "last.ckpt")
+    torch.save({"w": torch.ones(2)}, ck / "mine.ckpt")  # the user's own
+    with pytest.raises(OutputExistsError, match=r"holds files that are not checkpoints of a run \(mine.ckpt\)"):
+        check_checkpoint_dir(ck, resuming=False, overwrite=True)
+    (ck / "last.ckpt").unlink()
+    (ck / "last.ckpt").write_bytes((ck / "mine.ckpt").read_bytes())  # a user's file where ours would go
+    with pytest.raises(OutputExistsError, match="last.ckpt is not a checkpoint of a run"):
+        check_checkpoint_dir(ck, resuming=False, overwrite=True)
+    assert clear_checkpoints(ck) == [] and sorted(p.name for p in ck.iterdir()) == ["last.ckpt", "mine.ckpt"]
+
+    out = publish_dir(tmp_path / "m", lambda t: (t / "README.md").write_text("card"))
+    prepare_output(out, overwrite=True)
+    (out / "README.md").write_text("card, with my notes")
+    with pytest.raises(OutputExistsError, match=r"holds files edited since shift-lightning wrote them \(README.md\)"):
+        prepare_output(out, overwrite=True)
+    assert (out / "README.md").read_text() == "card, with my notes"
+
+
+def test_an_output_dir_that_is_a_symlink_is_refused(tmp_path):
+    from shift_lightning.outputs import OutputError, prepare_output, publish_dir
+
+    real = publish_dir(tmp_path / "real", lambda t: (t / "r.json").write_text("{}"))
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(OutputError, match=f"--output_dir {link} is a symbolic link"):
+        prepare_output(link, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+def test_model_files_follow_the_umask(tmp_path):
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        out = _calibrate(tmp_path / "cal")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes["model.safetensors"] == modes["lra.safetensors"] == modes["config.json"] == 0o644, modes
