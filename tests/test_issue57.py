@@ -216,3 +216,43 @@ def test_model_files_follow_the_umask(tmp_path):
         os.umask(old)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     assert modes["model.safetensors"] == modes["lra.safetensors"] == modes["config.json"] == 0o644, modes
+
+
+# ================================================================================================
+# Hang: a named pipe as a data source
+# ================================================================================================
+def test_a_named_pipe_as_data_source_is_refused_not_read(tmp_path):
+    import threading
+
+    from shift_lightning.data import DataError, load_texts
+
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    got = []
+
+    def read():
+        try:
+            load_texts(str(fifo))
+        except DataError as e:
+            got.append(str(e))
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(20)
+    if t.is_alive():  # the old behaviour: blocked on the pipe; unblock it so the test can end
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+    assert got and "is not a regular file (a named pipe" in got[0]
+
+
+def test_an_unreachable_hf_source_is_one_line(monkeypatch):
+    import datasets
+
+    from shift_lightning.data import DataError, load_texts
+
+    def offline(*a, **k):
+        raise ConnectionError("Couldn't reach 'nobody/nothing' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError, match=r"Could not load hf:nobody/nothing \(ConnectionError: Couldn't reach"):
+        load_texts("hf:nobody/nothing")
