@@ -256,3 +256,15 @@ def test_an_unreachable_hf_source_is_one_line(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(DataError, match=r"Could not load hf:nobody/nothing \(ConnectionError: Couldn't reach"):
         load_texts("hf:nobody/nothing")
+
+
+# ================================================================================================
+# Silently wrong
+# ================================================================================================
+def test_a_missing_or_empty_data_dir_never_falls_back_to_the_built_in_copies(tmp_path):
+    from shift_lightning.evaluation.tasks import TaskError, load_docs
+
+    with pytest.raises(TaskError, match=f"--data_dir {tmp_path / 'nope'} is not a folder"):
+        load_docs("piqa", data_dir=str(tmp_path / "nope"))
+    with pytest.raises(TaskError, match=r"not found at .*piqa.jsonl. \(--data_dir was given, so the built-in copies"):
+        load_docs("piqa", data_dir=str(tmp_path))

