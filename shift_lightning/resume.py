@@ -34,6 +34,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from .errors import ConfigError
+from .finite import check_checkpoint
 from .ownership import abandoned_file, is_our_checkpoint, work_file_name
 from .outputs import OutputError, OutputExistsError, is_write_failure, write_failure_reason
 
@@ -86,6 +87,7 @@ def read_checkpoint(path: str | Path) -> dict:
     if not isinstance(ck, dict) or not isinstance(ck.get("shift_lightning"), dict):
         raise ConfigError(f"{path} is not a checkpoint of shift-lightning's training (no run record); "
                           "resume only from <output_dir>.ckpt/last.ckpt of the same job")
+    check_checkpoint(ck, path)
     return ck
 
 

@@ -268,3 +268,78 @@ def test_a_missing_or_empty_data_dir_never_falls_back_to_the_built_in_copies(tmp
         load_docs("piqa", data_dir=str(tmp_path / "nope"))
     with pytest.raises(TaskError, match=r"not found at .*piqa.jsonl. \(--data_dir was given, so the built-in copies"):
         load_docs("piqa", data_dir=str(tmp_path))
+
+
+# ---- non-finite is never success ----------------------------------------------------------------
+def _no_compute(monkeypatch):
+    from shift_lightning.recipes import calibrate as C, evaluate as E, train as T
+
+    def never(*a, **k):
+        raise AssertionError("compute started before the input was checked")
+
+    for mod in (C, E, T):
+        monkeypatch.setattr(mod, "load_pretrained", never)
+
+
+EV = ["--config", "eval_tiny.yaml"]
+
+
+@pytest.mark.parametrize("option,value,match", [
+    ("--ppl_max_windows", "0", "--ppl_max_windows must be an integer >= 1 (or null: no limit), got 0"),
+    ("--ppl_max_windows", "-2", "--ppl_max_windows must be an integer >= 1 (or null: no limit), got -2"),
+    ("--ppl_batch_size", "0", "--ppl_batch_size must be an integer >= 1, got 0"),
+])
+def test_evaluation_sizes_that_give_nan_or_a_traceback_are_one_line_before_loading(option, value, match, tmp_path,
+                                                                                    monkeypatch, capsys):
+    _no_compute(monkeypatch)
+    line = _error(cli.evaluate_main, [*EV, "--ppl", "wiki_summaries", option, value, "--output_dir",
+                                      str(tmp_path / "e")], capsys)
+    assert match in line and not (tmp_path / "e").exists()
+
+
+def test_nothing_to_evaluate_is_one_line(tmp_path, monkeypatch, capsys):
+    _no_compute(monkeypatch)
+    line = _error(cli.evaluate_main, [*EV, "--tasks", "", "--ppl", "", "--output_dir", str(tmp_path / "e")], capsys)
+    assert "Nothing to evaluate: --tasks and --ppl are both empty" in line
+
+
+def test_a_non_finite_evaluation_result_is_an_error_not_exit_0(tmp_path, monkeypatch, capsys):
+    from shift_lightning.evaluation import perplexity as P
+
+    real = P.window_nll
+
+    def nan_nll(*a, **k):
+        nll, n = real(*a, **k)
+        return float("nan"), n
+
+    monkeypatch.setattr(P, "window_nll", nan_nll)
+    line = _error(cli.evaluate_main, [*EV, "--tasks", "", "--ppl", str(ROOT / "tests" / "data" / "tiny_heldout.txt"),
+                                      "--ppl_seq_len", "32", "--output_dir", str(tmp_path / "e")], capsys)
+    assert "evaluation: ppl" in line and "(not finite); nothing was written" in line
+    assert not (tmp_path / "e").exists()
+
+
+def _train_args(tmp_path, name, *extra):
+    return ["--config", "tiny_lora.yaml", "--output_dir", str(tmp_path / name), "--zeroshot.tasks", "",
+            "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *extra]
+
+
+def test_a_diverged_training_exports_nothing_and_exits_2(tmp_path, capsys):
+    line = _error(cli.train_main, _train_args(tmp_path, "o", "--recovery.lr", "1e30", "--trainer.max_steps", "2"), capsys)
+    assert "after 2 training steps: non-finite weights (NaN or infinity)" in line and "The training diverged" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_nan_planted_in_last_ckpt_is_refused_before_resuming(tmp_path, monkeypatch, capsys):
+    import torch
+
+    cli.train_main(_train_args(tmp_path, "o", "--trainer.max_steps", "2"))
+    capsys.readouterr()
+    last = tmp_path / "o.ckpt" / "last.ckpt"
+    ck = torch.load(last, weights_only=True)
+    key = next(k for k, v in ck["state_dict"].items() if v.is_floating_point())
+    ck["state_dict"][key].view(-1)[0] = float("nan")
+    torch.save(ck, last)
+    _no_compute(monkeypatch)
+    line = _error(cli.train_main, _train_args(tmp_path, "o", "--trainer.max_steps", "4", "--ckpt_path", "last"), capsys)
+    assert f"checkpoint {last}: non-finite weights (NaN or infinity) in ['{key}']" in line

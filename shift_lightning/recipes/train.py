@@ -36,6 +36,7 @@ from ..errors import ConfigError
 from ..evaluation.runner import EvalConfig
 from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
+from ..finite import check_trained
 from ..remote_code import base_model_settings
 from ..reports import RecoveryReport
 from ..recovery import RecoveryConfig, RecoveryData, RecoveryModule
@@ -271,6 +272,7 @@ def run_training(
     if steps == 0:
         log.warning("No training step was taken (max_steps %s): the exported model is the calibrated one, "
                     "marked \"recovered\": false", trainer.max_steps)
+    check_trained(module.model, after, steps)  # non-finite is never success (shift_lightning.finite)
     if output_dir is not None and trainer.is_global_zero:
         card = CardFacts(command=command, calibration=_calibration_report(model_cfg, output_dir, built), recovery=report.to_dict())
 
