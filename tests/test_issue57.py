@@ -343,3 +343,35 @@ def test_a_nan_planted_in_last_ckpt_is_refused_before_resuming(tmp_path, monkeyp
     _no_compute(monkeypatch)
     line = _error(cli.train_main, _train_args(tmp_path, "o", "--trainer.max_steps", "4", "--ckpt_path", "last"), capsys)
     assert f"checkpoint {last}: non-finite weights (NaN or infinity) in ['{key}']" in line
+
+
+# ---- the calibration is reused only for the same content ----------------------------------------
+def test_the_calibration_is_not_reused_after_its_data_file_changed(tmp_path, caplog, capsys):
+    import logging
+
+    data = tmp_path / "corpus.txt"
+    shutil.copy(CORPUS, data)
+    args = _train_args(tmp_path, "o", "--trainer.max_steps", "1", "--data.source", str(data))
+    cli.train_main(args)
+    key = json.loads((tmp_path / "o.calibration" / "calibration_key.json").read_text())
+    data.write_text(data.read_text().replace("the", "a"))  # same name, other text
+    with caplog.at_level(logging.INFO):
+        cli.train_main([*args, "--overwrite"])
+    assert "Reusing the calibration" not in caplog.text
+    assert json.loads((tmp_path / "o.calibration" / "calibration_key.json").read_text()) != key
+
+
+def test_the_calibration_key_follows_the_base_weights(saved, tmp_path):
+    from shift_lightning.data import TextDataConfig
+    from shift_lightning.fingerprints import input_digest
+    from shift_lightning.models import ModelConfig, build_tiny_model
+
+    base = tmp_path / "base"
+    model, tok = build_tiny_model("llama")
+    model.save_pretrained(base)
+    tok.save_pretrained(base)
+    cfg, sets = ModelConfig(name_or_path=str(base)), {"data": TextDataConfig(source=CORPUS)}
+    before = input_digest(cfg, sets)
+    model, _ = build_tiny_model("llama", seed=1)
+    model.save_pretrained(base)  # the same folder, other weights
+    assert input_digest(cfg, sets)["model"] != before["model"] and input_digest(cfg, sets)["data"] == before["data"]
