@@ -27,7 +27,41 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _CHUNK = 1 << 24
 
 
-def _check_one(path: Path) -> list[str]:
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+             "I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_FLOAT = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"}
+
+
+def _check_layout(path: Path, meta: dict, float_only: bool, fix: str) -> None:
+    """Each tensor's dtype, shape and byte range agree, and no two ranges overlap; in an unquantized
+    model every tensor is floating point (an integer dtype there would load as garbage)."""
+    spans = []
+    for k, v in meta.items():
+        if k == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = v["dtype"], [int(d) for d in v["shape"]], map(int, v["data_offsets"])
+        except (TypeError, KeyError, ValueError) as e:
+            raise ModelLoadError(f"{path} is damaged (tensor {k}: {e}); {fix}") from None
+        if dtype not in _ITEMSIZE:
+            raise ModelLoadError(f"{path} is damaged (tensor {k} has unknown dtype {dtype!r}); {fix}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if start < 0 or end - start != numel * _ITEMSIZE[dtype]:
+            raise ModelLoadError(f"{path} is damaged (tensor {k}: {dtype} {shape} needs {numel * _ITEMSIZE[dtype]:,} "
+                                 f"bytes, its header gives {end - start:,}); {fix}")
+        if float_only and dtype not in _FLOAT:
+            raise ModelLoadError(f"{path} is damaged: tensor {k} is stored as {dtype}, but the model is not quantized "
+                                 f"(no quantization_config) and its weights are floating point; {fix}")
+        spans.append((start, end, k))
+    spans.sort()
+    for (s0, e0, k0), (s1, e1, k1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise ModelLoadError(f"{path} is damaged: tensors {k0} and {k1} overlap in the file; {fix}")
+
+
+def _check_one(path: Path, float_only: bool = False) -> list[str]:
     size = path.stat().st_size
     fix = "download or copy it again"
     with open(path, "rb") as f:
@@ -41,6 +75,7 @@ def _check_one(path: Path) -> list[str]:
             ends = [int(v["data_offsets"][1]) for k, v in meta.items() if k != "__metadata__"]
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
             raise ModelLoadError(f"{path} is damaged (its header is not a safetensors header: {e}); {fix}") from None
+    _check_layout(path, meta, float_only, fix)
     need = 8 + n + max(ends, default=0)
     if need > size:
         raise ModelLoadError(f"{path} is truncated: its tensors need {need:,} bytes, the file has {size:,}; {fix}")
@@ -52,8 +87,12 @@ def check_safetensors_files(folder: str | Path) -> dict[str, Path]:
     where: dict[str, Path] = {}
     folder = Path(folder)
     if folder.is_dir():
+        try:
+            quantized = "quantization_config" in json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError, TypeError):
+            quantized = True  # unknown: no dtype rule
         for f in sorted(folder.glob("*.safetensors")):
-            for key in _check_one(f):
+            for key in _check_one(f, float_only=not quantized):
                 where[key] = f
     return where
 

@@ -375,3 +375,53 @@ def test_the_calibration_key_follows_the_base_weights(saved, tmp_path):
     model, _ = build_tiny_model("llama", seed=1)
     model.save_pretrained(base)  # the same folder, other weights
     assert input_digest(cfg, sets)["model"] != before["model"] and input_digest(cfg, sets)["data"] == before["data"]
+
+
+# ---- weight files -------------------------------------------------------------------------------
+def _header(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def _write_header(path: Path, meta: dict, body: bytes) -> None:
+    head = json.dumps(meta).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(len(head).to_bytes(8, "little") + head + body)
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("dtype", "is stored as I32, but the model is not quantized"),
+    ("overlap", "overlap in the file"),
+])
+def test_a_tampered_safetensors_header_is_refused(saved, tmp_path, damage, match):
+    from shift_lightning import load_pretrained
+    from shift_lightning.models import ModelLoadError
+
+    d = tmp_path / "m"
+    shutil.copytree(saved, d)
+    meta, body = _header(d / "model.safetensors")
+    key = "model.layers.1.mlp.down_proj.weight"
+    if damage == "dtype":
+        meta[key]["dtype"] = "I32"  # same size: only the header says otherwise
+    else:
+        other = "model.layers.1.mlp.up_proj.weight"
+        meta[key]["data_offsets"] = list(meta[other]["data_offsets"])
+    _write_header(d / "model.safetensors", meta, body)
+    with pytest.raises(ModelLoadError, match=match):
+        load_pretrained(d)
+
+
+def test_nan_weights_are_refused_by_the_remote_code_path_too(saved, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path / "nan"
+    shutil.copytree(saved, d)
+    w = load_file(str(d / "model.safetensors"))
+    key = "model.layers.1.mlp.down_proj.weight"
+    w[key] = w[key].clone()
+    w[key].view(-1)[3] = float("nan")
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"non-finite weights \(NaN or infinity\)"):
+        AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)
