@@ -365,7 +365,7 @@ def is_write_failure(e: BaseException) -> bool:
     """An OS error while writing (no space, quota, permissions, I/O), also as safetensors reports it."""
     if isinstance(e, OSError):
         return True
-    return type(e).__name__ == "SafetensorError" and "IoError" in str(e)
+    return type(e).__name__ == "SafetensorError" and ("IoError" in str(e) or "I/O error" in str(e))
 
 
 def write_failure_reason(e: BaseException) -> str:
@@ -373,6 +373,9 @@ def write_failure_reason(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     m = re.search(r'message: "([^"]+)"', str(e))  # safetensors: IoError(Os { code: 28, ..., message: "..." })
+    if m:
+        return m.group(1)
+    m = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", str(e).strip())  # newer: "I/O error: File too large (os error 27)"
     return m.group(1) if m else " ".join(str(e).split())
 
 

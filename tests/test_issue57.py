@@ -425,3 +425,20 @@ def test_nan_weights_are_refused_by_the_remote_code_path_too(saved, tmp_path):
     save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"non-finite weights \(NaN or infinity\)"):
         AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)
+
+
+# ================================================================================================
+# Tracebacks for user mistakes: now one line
+# ================================================================================================
+def test_a_file_size_limit_while_saving_is_one_line(tmp_path, monkeypatch, capsys):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def too_large(*a, **k):  # what safetensors says today (no "IoError" in it any more)
+        raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", too_large)
+    out = tmp_path / "o"
+    line = _error(cli.calibrate_main, ["--config", "tiny.yaml", "--output_dir", str(out), *FAST], capsys)
+    assert line.startswith(f"error: Could not write {out}: File too large. Nothing was changed there")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
