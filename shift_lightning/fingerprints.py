@@ -54,3 +54,14 @@ def input_digest(model_cfg, sets: dict[str, Any]) -> dict[str, str]:
         if d:
             out[name] = d
     return out
+
+
+def read_key(folder: Path, name: str = "calibration_key.json"):
+    """The key a saved calibration was made with; None when it is missing or damaged (then it is not
+    reused: redone with --overwrite, else refused as a calibration with other settings)."""
+    import json
+
+    try:
+        return json.loads((Path(folder) / name).read_text())
+    except (OSError, ValueError):
+        return None

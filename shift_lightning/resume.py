@@ -136,6 +136,9 @@ def _ours(p: Path) -> bool:
 def check_checkpoint_dir(ckpt_dir: Path | None, resuming: bool, overwrite: bool) -> None:
     """Before any compute: a fresh run needs ``--overwrite`` to replace an earlier run's checkpoints,
     and never deletes a file that is not a checkpoint."""
+    if ckpt_dir is not None and (ckpt_dir.exists() or ckpt_dir.is_symlink()) and not ckpt_dir.is_dir():
+        raise OutputExistsError(f"{ckpt_dir} is a file, but the run keeps its checkpoints in a folder of that name: "
+                                "move the file away, or choose another --output_dir")
     if ckpt_dir is None or resuming or not ckpt_dir.is_dir():
         return
     entries = sorted(ckpt_dir.iterdir())

@@ -442,3 +442,28 @@ def test_a_file_size_limit_while_saving_is_one_line(tmp_path, monkeypatch, capsy
     line = _error(cli.calibrate_main, ["--config", "tiny.yaml", "--output_dir", str(out), *FAST], capsys)
     assert line.startswith(f"error: Could not write {out}: File too large. Nothing was changed there")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def _train_no_compute(tmp_path, monkeypatch, capsys, *extra):
+    _no_compute(monkeypatch)
+    return _error(cli.train_main, _train_args(tmp_path, "o", *extra), capsys)
+
+
+def test_the_checkpoint_folder_existing_as_a_file_is_one_line_before_any_compute(tmp_path, monkeypatch, capsys):
+    (tmp_path / "o.ckpt").write_text("mine")
+    line = _train_no_compute(tmp_path, monkeypatch, capsys)
+    assert f"{tmp_path / 'o.ckpt'} is a file, but the run keeps its checkpoints in a folder of that name" in line
+    assert (tmp_path / "o.ckpt").read_text() == "mine"
+
+
+def test_a_corrupt_calibration_key_is_not_a_traceback(tmp_path, capsys, caplog):
+    import logging
+
+    args = _train_args(tmp_path, "o", "--trainer.max_steps", "1")
+    cli.train_main(args)
+    (tmp_path / "o.calibration" / "calibration_key.json").write_text("{not json")
+    capsys.readouterr()
+    shutil.rmtree(tmp_path / "o")
+    shutil.rmtree(tmp_path / "o.ckpt")
+    line = _error(cli.train_main, args, capsys)
+    assert "o.calibration holds a calibration with other settings; pass --overwrite to redo it" in line

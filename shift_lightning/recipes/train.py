@@ -37,7 +37,7 @@ from ..evaluation.runner import EvalConfig
 from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
 from ..finite import check_trained
-from ..fingerprints import input_digest
+from ..fingerprints import input_digest, read_key
 from ..remote_code import base_model_settings
 from ..reports import RecoveryReport
 from ..recovery import RecoveryConfig, RecoveryData, RecoveryModule
@@ -109,7 +109,7 @@ def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, o
     key["content"] = input_digest(model_cfg, calib)  # reused only for the same bytes, not just the same names
     calib_dir = calibration_dir(output_dir) if output_dir else None
     if calib_dir is not None and is_shift_folder(calib_dir):
-        done = json.loads((calib_dir / "calibration_key.json").read_text()) if (calib_dir / "calibration_key.json").exists() else None
+        done = read_key(calib_dir)
         if done == json.loads(json.dumps(key)):
             log.info("Reusing the calibration in %s (same model, data, pruning and calibration settings)", calib_dir)
             lm, tokenizer = load_pretrained(calib_dir)
