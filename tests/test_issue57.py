@@ -467,3 +467,22 @@ def test_a_corrupt_calibration_key_is_not_a_traceback(tmp_path, capsys, caplog):
     shutil.rmtree(tmp_path / "o.ckpt")
     line = _error(cli.train_main, args, capsys)
     assert "o.calibration holds a calibration with other settings; pass --overwrite to redo it" in line
+
+
+@pytest.mark.parametrize("task,doc,match", [
+    ("arc_easy", {"id": "1", "question": "Q?", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "C"},
+     r"doc 0 in .* is malformed \(ValueError"),
+    ("arc_easy", {"id": "1", "question": "Q?", "choices": {"text": [], "label": []}, "answerKey": "A"},
+     "needs at least two text choices, got \\[\\]"),
+    ("piqa", {"goal": "g", "sol1": "a", "sol2": "b", "label": "first"}, r"doc 0 in .* is malformed \(ValueError"),
+    ("hellaswag", {"ctx_a": "a", "ctx_b": "b", "activity_label": "x", "endings": ["1", "2", "3", "4"], "label": "x"},
+     r"a document in .* is malformed \(ValueError"),
+    ("winogrande", {"sentence": "no blank here", "option1": "a", "option2": "b", "answer": "1"},
+     r"doc 0 in .* is malformed \(ValueError"),
+])
+def test_malformed_task_documents_are_one_line(task, doc, match, tmp_path):
+    from shift_lightning.evaluation.tasks import TaskError, load_docs
+
+    (tmp_path / f"{task}.jsonl").write_text(json.dumps(doc) + "\n")
+    with pytest.raises(TaskError, match=match):
+        load_docs(task, data_dir=str(tmp_path))
