@@ -40,7 +40,8 @@ from .keptfit import KeptFitError, kept_tensors, put_kept_tensors
 from .lra import AdapterSpec, LinearResidualAdapter
 from .peers import fold_replaceme
 from .surgery import SurgeryError, adapter_set, attach_adapters, branch_maps, remove_blocks
-from .weightfiles import check_finite, check_safetensors_files, pickles_in, refusing_pickles
+from .weightfiles import (check_finite, check_model_config, check_safetensors_files, check_vocab, pickles_in,
+                          refusing_pickles)
 
 SHIFT_CONFIG = "shift_config.json"
 LRA_WEIGHTS = "lra.safetensors"
@@ -346,6 +347,8 @@ def _load_shift_folder(path: Path, dtype, device, trust: bool = False):
     spec = read_shift_config(path)
     adapter_only = spec.weights == "adapters"
     if not adapter_only:
+        check_model_config(path)
+        check_vocab(path, None)
         _check_against_config(path, spec)
     weights = _read_weights(path, spec)
     if adapter_only:

@@ -130,3 +130,51 @@ def check_finite(model: nn.Module, source: str | Path, files: dict[str, Path] | 
                              f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}"
                              f"{f' (in {held[0]})' if len(held) == 1 else f' (in {held})' if held else ''}; "
                              "the weights are damaged, refusing to load them")
+
+
+def check_model_config(folder: str | Path) -> None:
+    """A local model folder's ``config.json`` exists, is a JSON object and names a ``model_type`` this
+    transformers knows (a marked ``shift_<type>`` one needs its ``shift_config.json``); hub ids pass."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        return
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        raise ModelLoadError(f"{folder} has no config.json: it is not a model folder, or it is damaged (copy it again)")
+    try:
+        doc = json.loads(cfg.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{cfg} is malformed JSON ({e}); the folder is damaged (copy it again)") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
+        raise ModelLoadError(f"{cfg} names no model_type; the folder is damaged (copy it again)")
+    from transformers import CONFIG_MAPPING
+
+    from .remote_code import MODEL_TYPE_PREFIX
+
+    mt = doc["model_type"]
+    if mt.startswith(MODEL_TYPE_PREFIX) and not (folder / "shift_config.json").is_file():
+        raise ModelLoadError(f"{folder} is a shift-lightning folder (model_type {mt}) without its shift_config.json; "
+                             "the folder is damaged (copy it again)")
+    base = mt[len(MODEL_TYPE_PREFIX):] if mt.startswith(MODEL_TYPE_PREFIX) else mt
+    if base not in CONFIG_MAPPING and (base != mt or "auto_map" not in doc):
+        raise ModelLoadError(f"{cfg}: model_type {mt!r} is not one this transformers knows; check the folder, or "
+                             "upgrade transformers")
+
+
+def check_vocab(folder: str | Path, tokenizer) -> None:
+    """The special token ids of ``config.json`` fit the model's vocabulary (a damaged or mismatched config
+    would otherwise fail inside the model's construction)."""
+    try:
+        doc = json.loads((Path(folder).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    doc = doc.get("text_config", doc) if isinstance(doc.get("text_config"), dict) and "vocab_size" not in doc else doc
+    vocab = doc.get("vocab_size")
+    if not isinstance(vocab, int):
+        return
+    ids = {k: doc.get(k) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    bad = {k: v for k, v in ids.items() if isinstance(v, int) and not 0 <= v < vocab}
+    if bad:  # (the tokenizer's length is not compared: some tokenizers list ids the embedding does not hold)
+        what = ", ".join(f"{k} {v}" for k, v in bad.items())
+        raise ModelLoadError(f"{folder}: {what} do not fit the model's vocabulary (vocab_size {vocab} in config.json); "
+                             "the tokenizer and the model do not belong together, or config.json is damaged")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -486,3 +487,52 @@ def test_malformed_task_documents_are_one_line(task, doc, match, tmp_path):
     (tmp_path / f"{task}.jsonl").write_text(json.dumps(doc) + "\n")
     with pytest.raises(TaskError, match=match):
         load_docs(task, data_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("tiny,match", [
+    ('{"family": "llama", "hidden_size": 30, "num_attention_heads": 4}',
+     r"--model.tiny: impossible shape \(The hidden size \(30\) is not a multiple of the number of attention heads"),
+    ('{"family": "llama", "hidden_size": -1}', "--model.tiny: hidden_size must be an integer >= 1, got -1"),
+])
+def test_impossible_tiny_shapes_are_one_line(tiny, match, tmp_path, capsys):
+    line = _error(cli.calibrate_main, ["--config", "tiny.yaml", "--model.tiny", tiny, "--output_dir",
+                                       str(tmp_path / "o"), *FAST], capsys)
+    assert re.search(match, line), line
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> Path:
+    from shift_lightning.models import build_tiny_model
+
+    d = tmp_path_factory.mktemp("hf") / "hf"
+    model, tok = build_tiny_model("llama")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def _unlink(name):
+    return lambda d: (d / name).unlink()
+
+
+def _set(name, **kw):
+    return lambda d: _edit_json(d / name, lambda doc: doc.update(kw))
+
+
+@pytest.mark.parametrize("which,damage,match", [
+    ("saved", _unlink("shift_config.json"), "is a shift-lightning folder (model_type shift_llama) without its shift_config.json"),
+    ("saved", _unlink("config.json"), "has no config.json: it is not a model folder, or it is damaged"),
+    ("hf", _unlink("config.json"), "has no config.json: it is not a model folder, or it is damaged"),
+    ("saved", lambda d: (d / "tokenizer.json").write_text("{garbage"), "Could not load the tokenizer of"),
+    ("hf", _set("config.json", vocab_size=100), "pad_token_id 258, bos_token_id 256, eos_token_id 257 do not fit the "
+                                                "model's vocabulary (vocab_size 100 in config.json)"),
+    ("hf", _set("config.json", model_type="frobnicator"), "model_type 'frobnicator' is not one this transformers knows"),
+    ("saved", _set("config.json", model_type="shift_frobnicator"), "model_type 'shift_frobnicator' is not one"),
+])
+def test_missing_or_damaged_files_in_a_model_folder_are_one_line(which, damage, match, saved, hf_folder, tmp_path, capsys):
+    d = tmp_path / "m"
+    shutil.copytree(saved if which == "saved" else hf_folder, d)
+    damage(d)
+    line = _error(cli.evaluate_main, ["--config", "eval_tiny.yaml", "--model.tiny", "null", "--model.name_or_path",
+                                      str(d), "--output_dir", str(tmp_path / "e")], capsys)
+    assert match in line, line
