@@ -40,6 +40,10 @@ from typing import Callable
 from .errors import ShiftError
 from .ownership import OWNER, abandoned_folder, claim
 
+#: The longest --output_dir name (255 bytes less the suffixes of its siblings: ``.<name>.tmp-XXXXXXXX``,
+#: ``<name>.calibration``, ``.<name>.probe-XXXXXXXX``, ``<name>.run-<pid>``).
+_NAME_MAX = 200
+
 #: Written into every folder this project publishes; ``--overwrite`` replaces only such folders.
 MARKER = ".shift_lightning.json"
 
@@ -196,6 +200,9 @@ def _check_output(output_dir: str | Path | None, overwrite: bool = False,
             or out.resolve() == Path.home().resolve() or out.resolve() == Path(out.anchor):
         raise OutputError(f"--output_dir {str(output_dir)!r} is not a folder of its own; name a new folder, "
                           "e.g. --output_dir outputs/run1")
+    if len(os.fsencode(out.name)) > _NAME_MAX:  # room for the run's siblings (.tmp-*, .calibration, .ckpt)
+        raise OutputError(f"--output_dir name {out.name[:40]}… is {len(os.fsencode(out.name))} bytes long; file systems "
+                          f"allow 255 and the run adds suffixes: use at most {_NAME_MAX}")
     if out.is_symlink():
         raise OutputError(f"--output_dir {out} is a symbolic link (to {os.readlink(out)}); name the folder itself "
                           "or another --output_dir")

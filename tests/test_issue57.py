@@ -536,3 +536,30 @@ def test_missing_or_damaged_files_in_a_model_folder_are_one_line(which, damage, 
     line = _error(cli.evaluate_main, ["--config", "eval_tiny.yaml", "--model.tiny", "null", "--model.name_or_path",
                                       str(d), "--output_dir", str(tmp_path / "e")], capsys)
     assert match in line, line
+
+
+def test_a_config_section_that_is_not_a_mapping_is_one_line(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("model: [1, 2]\n")
+    line = _error(cli.calibrate_main, ["--config", str(cfg), "--output_dir", str(tmp_path / "o")], capsys)
+    assert "section 'model' holds a list, not a mapping of options" in line
+
+
+def test_a_yaml_alias_bomb_is_refused_before_the_parser_expands_it(tmp_path):
+    from shift_lightning.errors import UsageError
+
+    text, prev = 'a: &a ["x","x","x","x","x","x","x","x","x"]\n', "a"
+    for i in range(8):
+        text += f"b{i}: &b{i} [" + ",".join(["*" + prev] * 9) + "]\n"
+        prev = f"b{i}"
+    cfg = tmp_path / "bomb.yaml"
+    cfg.write_text(text + f"data:\n  source: *{prev}\n")
+    with pytest.raises(UsageError, match="expands to more than 100,000 values"):
+        cli.check_config_file(str(cfg))
+
+
+def test_a_300_character_output_name_is_one_line(tmp_path, monkeypatch, capsys):
+    _no_compute(monkeypatch)
+    line = _error(cli.calibrate_main, ["--config", "tiny.yaml", "--output_dir", str(tmp_path / ("x" * 300)), *FAST],
+                  capsys)
+    assert "is 300 bytes long; file systems allow 255" in line
