@@ -563,3 +563,16 @@ def test_a_300_character_output_name_is_one_line(tmp_path, monkeypatch, capsys):
     line = _error(cli.calibrate_main, ["--config", "tiny.yaml", "--output_dir", str(tmp_path / ("x" * 300)), *FAST],
                   capsys)
     assert "is 300 bytes long; file systems allow 255" in line
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--zeroshot.tasks", "arc_hard"], "Unknown task 'arc_hard'"),
+    (["--recovery.target_modules", '["q_proj", "nope_proj"]'], "--recovery.target_modules ['nope_proj'] name no module of "
+                                                               "the model (its projections: down_proj, gate_proj"),
+    (["--recovery.target_modules", '["nope_proj"]'], "--recovery.target_modules ['nope_proj'] name no module"),
+    (["--train_data.format", "alpaca", "--train_data.source", CORPUS], "not a UTF-8 JSON/JSONL file of Alpaca records"),
+])
+def test_training_checks_run_before_the_calibration(extra, match, tmp_path, monkeypatch, capsys):
+    line = _train_no_compute(tmp_path, monkeypatch, capsys, *extra)  # any model load fails the test
+    assert match in line, line
+    assert not (tmp_path / "o.calibration").exists()

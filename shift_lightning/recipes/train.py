@@ -38,6 +38,7 @@ from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
 from ..finite import check_trained
 from ..fingerprints import input_digest, read_key
+from ..precheck import check_training
 from ..remote_code import base_model_settings
 from ..reports import RecoveryReport
 from ..recovery import RecoveryConfig, RecoveryData, RecoveryModule
@@ -172,6 +173,7 @@ def run_training(
     if calibrating:
         check_early(calib["prune"], calib["data"], calib["calibration"], calib["heldout"])
     check_schedule(trainer, val)
+    check_training(model_cfg if built is None else None, train_data, recovery)  # format, LoRA targets: no compute
     ckpt_dir = checkpoint_dir(output_dir) if output_dir else None
     sections = {"model": model_cfg, **(calib if calibrating else {}), "train_data": train_data, "val": val,
                 "recovery": recovery}
