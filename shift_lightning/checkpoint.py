@@ -40,7 +40,8 @@ from .keptfit import KeptFitError, kept_tensors, put_kept_tensors
 from .lra import AdapterSpec, LinearResidualAdapter
 from .peers import fold_replaceme
 from .surgery import SurgeryError, adapter_set, attach_adapters, branch_maps, remove_blocks
-from .weightfiles import check_finite, check_safetensors_files, pickles_in, refusing_pickles
+from .weightfiles import (check_finite, check_model_config, check_safetensors_files, check_vocab, pickles_in,
+                          refusing_pickles)
 
 SHIFT_CONFIG = "shift_config.json"
 LRA_WEIGHTS = "lra.safetensors"
@@ -243,14 +244,14 @@ def read_shift_config(path: str | Path) -> ShiftSpec:
     return ShiftSpec.from_dict(read_json(file), file)
 
 
-def _rebuild_from_base(path: Path, spec: ShiftSpec, dtype):
-    """The pruned model of an adapter-only folder: base model, blocks removed (adapters come after)."""
-    from transformers import AutoTokenizer
-
+def _rebuild_from_base(path: Path, spec: ShiftSpec, dtype, trust: bool = False):
+    """The pruned model of an adapter-only folder: base model, blocks removed (adapters come after).
+    ``trust``: the user's own ``trust_remote_code`` flag (the record's is ignored)."""
     from .models import ModelConfig, load_model
+    from .remote_code import base_model_settings, load_tokenizer
 
     try:
-        base = ModelConfig(**spec.base_model)
+        base = ModelConfig(**base_model_settings(spec.base_model, trust))
     except TypeError as e:
         raise SurgeryError(f"{path / SHIFT_CONFIG}: bad base_model {spec.base_model!r}: {e}") from e
     if dtype is not None:
@@ -267,7 +268,7 @@ def _rebuild_from_base(path: Path, spec: ShiftSpec, dtype):
                                f"model's hidden size {dim}")
     remove_blocks(model, spec.pruned_layers)
     if (path / "tokenizer_config.json").exists():
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path, trust)
     return model, tokenizer
 
 
@@ -301,7 +302,7 @@ def load_pretrained(source, dtype: str | torch.dtype | None = None, device=None)
         return (model.to(device) if device is not None else model), tokenizer
     if dtype is None and isinstance(source, ModelConfig):
         dtype = cfg.dtype
-    return _load_shift_folder(Path(cfg.name_or_path).expanduser(), dtype, device)
+    return _load_shift_folder(Path(cfg.name_or_path).expanduser(), dtype, device, cfg.trust_remote_code)
 
 
 def _read_weights(path: Path, spec: ShiftSpec) -> dict[str, torch.Tensor]:
@@ -338,18 +339,20 @@ def _read_weights(path: Path, spec: ShiftSpec) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _load_shift_folder(path: Path, dtype, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_shift_folder(path: Path, dtype, device, trust: bool = False):
+    from transformers import AutoModelForCausalLM
 
-    from .remote_code import is_marked, plain_config
+    from .remote_code import is_marked, load_tokenizer, plain_config
 
     spec = read_shift_config(path)
     adapter_only = spec.weights == "adapters"
     if not adapter_only:
+        check_model_config(path)
+        check_vocab(path, None)
         _check_against_config(path, spec)
     weights = _read_weights(path, spec)
     if adapter_only:
-        model, tokenizer = _rebuild_from_base(path, spec, dtype)
+        model, tokenizer = _rebuild_from_base(path, spec, dtype, trust)
     else:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -364,7 +367,7 @@ def _load_shift_folder(path: Path, dtype, device):
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype or "auto",
                                                          trust_remote_code=False, use_safetensors=True)
         check_finite(model, path, files)
-        tokenizer = AutoTokenizer.from_pretrained(path, **({"config": config} if config is not None else {})) \
+        tokenizer = load_tokenizer(path, trust, **({"config": config} if config is not None else {})) \
             if (path / "tokenizer_config.json").exists() else None
     pdtype = next(model.parameters()).dtype
     adapters = {}

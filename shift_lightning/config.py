@@ -199,6 +199,30 @@ class EvalConfig:
     kl_topk: int = 256
     """With ``kl``: the original's most likely tokens kept per position (the rest is one bucket)."""
 
+    def validate(self, prefix: str = "--", need_something: bool = True) -> None:
+        """Impossible sizes (a NaN perplexity from 0 windows, a division by a 0 batch) and an empty
+        evaluation are one :class:`ConfigError` naming the option, before any model is loaded."""
+        sizes = {"batch_size": 1, "max_batch_tokens": 1, "max_row_tokens": 1, "docs_per_unit": 1, "ppl_seq_len": 2,
+                 "ppl_batch_size": 1, "kl_topk": 1, "kl_docs": 0, "ppl_max_windows": 1, "ppl_stride": 1, "limit": 1,
+                 "max_length": 2}
+        for name, lo in sizes.items():
+            v = getattr(self, name)
+            if v is None and name in ("ppl_max_windows", "ppl_stride", "limit", "max_length"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                none = " (or null: no limit)" if name in ("ppl_max_windows", "limit") else ""
+                raise ConfigError(f"{prefix}{name} must be an integer >= {lo}{none}, got {v!r}")
+        if need_something and not _names(self.tasks) and not _names(self.ppl):
+            raise ConfigError(f"Nothing to evaluate: {prefix}tasks and {prefix}ppl are both empty; name tasks "
+                              f"(e.g. {prefix}tasks arc_easy,piqa) or perplexity sets (e.g. {prefix}ppl wiki_summaries)")
+
+
+def _names(value: str | list[str] | None) -> list[str]:
+    """Comma-separated names (or a list), blanks dropped."""
+    if not value:
+        return []
+    return [str(t).strip() for t in (value.split(",") if isinstance(value, str) else value) if str(t).strip()]
+
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -123,6 +123,10 @@ class ShiftMixin:
 
         weights = load_file(_resolve(pretrained_model_name_or_path, LRA_WEIGHTS, kwargs))
         model.attach_shift(record, weights, source=str(pretrained_model_name_or_path))
+        bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+        if bad:  # as shift_lightning.load_pretrained: damaged weights are never loaded
+            raise ValueError(f"{pretrained_model_name_or_path}: non-finite weights (NaN or infinity) in {bad[:3]}; "
+                             "the weights are damaged, refusing to load them")
         return out
 
     @torch.no_grad()

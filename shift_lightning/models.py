@@ -97,7 +97,16 @@ def tiny_config(family: str = "llama", **overrides):
     if model_type == "qwen2":
         kw.update(use_sliding_window=True, sliding_window=16, max_window_layers=3)
     kw.update(overrides)
-    return AutoConfig.for_model(model_type, **kw)
+    for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "vocab_size", "max_position_embeddings", "head_dim"):
+        v = kw.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ModelLoadError(f"--model.tiny: {k} must be an integer >= 1, got {v!r}")
+    try:
+        return AutoConfig.for_model(model_type, **kw)
+    except Exception as e:  # an impossible shape (hidden_size not a multiple of the heads, ...)
+        why = next((ln.strip() for ln in str(e).splitlines() if "Error:" in ln), str(e).splitlines()[0] if str(e) else "")
+        raise ModelLoadError(f"--model.tiny: impossible shape ({why.split('Error:', 1)[-1].strip()[:200]})") from None
 
 
 def build_tiny_model(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -113,7 +122,10 @@ def build_tiny_model(family: str = "llama", seed: int = 0, dtype: torch.dtype = 
     gen = torch.random.fork_rng(devices=[])
     with gen, (torch.device(init_device) if init_device else contextlib.nullcontext()):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        except (ValueError, RuntimeError, TypeError, AssertionError) as e:
+            raise ModelLoadError(f"--model.tiny: impossible shape ({' '.join(str(e).split())[:200]})") from None
         # HF inits norms to 1 / 0 and small std; perturb norms so they matter in tests.
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -228,9 +240,9 @@ def _load_gguf(gguf_path: Path, cfg: ModelConfig):
         folder, name = str(gguf_path.parent), gguf_path.name
         try:
             with _no_tensor_bar():
-                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
                 model = AutoModelForCausalLM.from_pretrained(
-                    folder, gguf_file=name, dtype=_DTYPES[cfg.dtype],
+                    folder, gguf_file=name, dtype=_DTYPES[cfg.dtype], trust_remote_code=False,
                     quantization_config=GgufConfig(dequantize=True),
                 )
         except Exception:
@@ -252,16 +264,24 @@ def _load_gguf(gguf_path: Path, cfg: ModelConfig):
 
 
 def _load_hf(path: str, cfg: ModelConfig):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    kw = dict(trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    from .remote_code import load_tokenizer, trust_kwargs
+
+    kw = dict(**trust_kwargs(cfg.trust_remote_code), revision=cfg.revision)
+    from .weightfiles import check_model_config
+
+    check_model_config(path)  # missing / damaged config.json, unknown model_type: named before transformers trips
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+        tokenizer = load_tokenizer(path, cfg.trust_remote_code, revision=cfg.revision)
+    except ModelLoadError:
+        raise
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"Could not load a tokenizer from {path!r}: {e}") from e
-    from .weightfiles import check_finite, check_safetensors_files, refusing_pickles
+    from .weightfiles import check_finite, check_safetensors_files, check_vocab, refusing_pickles
 
     files = check_safetensors_files(path)  # cut or damaged files are named before transformers trips on them
+    check_vocab(path, tokenizer)
     with refusing_pickles(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **kw)
     check_finite(model, path, files)

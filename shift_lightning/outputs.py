@@ -38,6 +38,11 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import ShiftError
+from .ownership import OWNER, abandoned_folder, claim
+
+#: The longest --output_dir name (255 bytes less the suffixes of its siblings: ``.<name>.tmp-XXXXXXXX``,
+#: ``<name>.calibration``, ``.<name>.probe-XXXXXXXX``, ``<name>.run-<pid>``).
+_NAME_MAX = 200
 
 #: Written into every folder this project publishes; ``--overwrite`` replaces only such folders.
 MARKER = ".shift_lightning.json"
@@ -68,10 +73,13 @@ def is_ours(path: Path) -> bool:
 
 
 def _leftovers(out: Path) -> tuple[list[Path], list[Path]]:
+    """The abandoned work folders of ``out`` (:func:`~shift_lightning.ownership.abandoned_folder`: an
+    owner file inside and a dead owner; a folder merely named like one is not)."""
     if not out.parent.is_dir():
         return [], []
-    tmps = sorted(out.parent.glob(f".{out.name}.tmp-*"))
-    olds = sorted(out.parent.glob(f".{out.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    tmps = sorted(p for p in out.parent.glob(f".{out.name}.tmp-*") if abandoned_folder(p))
+    olds = sorted((p for p in out.parent.glob(f".{out.name}.old-*") if abandoned_folder(p)),
+                  key=lambda p: p.stat().st_mtime)
     return tmps, olds
 
 
@@ -79,8 +87,9 @@ def recover_leftovers(out: Path) -> list[str]:
     """Repair an interrupted swap and delete hidden leftovers of crashed runs; returns what was done."""
     done = []
     tmps, olds = _leftovers(out)
-    if olds and not out.exists():  # crashed between "out -> old" and "tmp -> out": put the old result back
+    if olds and not out.exists() and not out.is_symlink():  # crashed between "out -> old" and "tmp -> out"
         os.rename(olds[-1], out)
+        (out / OWNER).unlink(missing_ok=True)
         done.append(f"restored {out} from {olds[-1].name}")
         olds = olds[:-1]
     for p in tmps + olds:
@@ -124,7 +133,36 @@ def check_not_input(out: str | Path, inputs: dict[str, str | Path | None] | None
 
 
 def _entries(folder: Path) -> set[str]:
-    return {p.relative_to(folder).as_posix() for p in folder.rglob("*")} - {MARKER}
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*")} - {MARKER, OWNER}
+
+
+#: Files up to this size are fingerprinted in the marker (an edited model card is noticed); larger
+#: ones (weights) by their size.
+_HASHED_MAX = 1 << 20
+
+
+def _fingerprint(p: Path) -> str | int | None:
+    import hashlib
+
+    if p.is_symlink() or not p.is_file():
+        return None
+    size = p.stat().st_size
+    return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if size <= _HASHED_MAX else size
+
+
+def _fingerprints(folder: Path, entries) -> dict:
+    return {e: _fingerprint(folder / e) for e in sorted(entries)}
+
+
+def edited_entries(out: Path) -> list[str]:
+    """Files of ours that were changed since they were written (e.g. a model card the user edited)."""
+    try:
+        prints = json.loads((out / MARKER).read_text()).get("fingerprints")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(prints, dict):
+        return []
+    return sorted(e for e, f in prints.items() if f is not None and (out / e).exists() and _fingerprint(out / e) != f)
 
 
 def foreign_entries(out: Path) -> list[str]:
@@ -144,7 +182,17 @@ def foreign_entries(out: Path) -> list[str]:
 def prepare_output(output_dir: str | Path | None, overwrite: bool = False,
                    inputs: dict[str, str | Path | None] | None = None) -> Path | None:
     """Check ``output_dir`` before any work (see the module docstring); returns it as a Path.
-    ``inputs``: the run's local inputs by option name (the output may not be, contain or lie in one)."""
+    ``inputs``: the run's local inputs by option name (the output may not be, contain or lie in one).
+    What the folder is now is remembered: this process's publish replaces only that (a result another
+    run published meanwhile is never replaced; see :class:`PublishConflict`)."""
+    out = _check_output(output_dir, overwrite, inputs)
+    if out is not None:
+        _AT_START[str(out.absolute())] = _identity(out)
+    return out
+
+
+def _check_output(output_dir: str | Path | None, overwrite: bool = False,
+                  inputs: dict[str, str | Path | None] | None = None) -> Path | None:
     if output_dir is None:
         return None
     out = Path(output_dir).expanduser()
@@ -152,6 +200,12 @@ def prepare_output(output_dir: str | Path | None, overwrite: bool = False,
             or out.resolve() == Path.home().resolve() or out.resolve() == Path(out.anchor):
         raise OutputError(f"--output_dir {str(output_dir)!r} is not a folder of its own; name a new folder, "
                           "e.g. --output_dir outputs/run1")
+    if len(os.fsencode(out.name)) > _NAME_MAX:  # room for the run's siblings (.tmp-*, .calibration, .ckpt)
+        raise OutputError(f"--output_dir name {out.name[:40]}… is {len(os.fsencode(out.name))} bytes long; file systems "
+                          f"allow 255 and the run adds suffixes: use at most {_NAME_MAX}")
+    if out.is_symlink():
+        raise OutputError(f"--output_dir {out} is a symbolic link (to {os.readlink(out)}); name the folder itself "
+                          "or another --output_dir")
     if out.exists() and not out.is_dir():
         raise OutputError(f"--output_dir {out} is a file, not a folder; choose another --output_dir")
     check_not_input(out, inputs)
@@ -171,6 +225,11 @@ def prepare_output(output_dir: str | Path | None, overwrite: bool = False,
             raise OutputExistsError(
                 f"Output folder {out} holds files shift-lightning did not write ({shown}); --overwrite would delete "
                 "them: move them out of the folder, or choose another --output_dir.")
+        edited = edited_entries(out)
+        if edited:
+            raise OutputExistsError(
+                f"Output folder {out} holds files edited since shift-lightning wrote them ({', '.join(edited[:5])}); "
+                "--overwrite would replace them: copy them elsewhere (or remove them), or choose another --output_dir.")
     return out
 
 
@@ -187,17 +246,78 @@ def _renameat2_exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
-def _swap_in(tmp: Path, out: Path) -> None:
+def _renameat2_noreplace(a: Path, b: Path) -> bool | None:
+    """Rename ``a`` to ``b`` unless ``b`` exists (Linux renameat2 RENAME_NOREPLACE): True done, False
+    ``b`` exists, None unsupported."""
+    import errno
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    AT_FDCWD, RENAME_NOREPLACE = -100, 1
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_NOREPLACE) == 0:
+        return True
+    return False if ctypes.get_errno() == errno.EEXIST else None
+
+
+def _identity(out: Path) -> tuple | None:
+    """What ``out`` is now (None: absent or empty), to notice another run publishing there meanwhile."""
+    try:
+        st = out.stat()
+        if not any(out.iterdir()):
+            return None
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+#: path -> what it was when this process's run checked it (:func:`prepare_output`): a publish replaces
+#: only that, never a result another run published meanwhile.
+_AT_START: dict[str, tuple | None] = {}
+
+
+class PublishConflict(OutputExistsError):
+    """Another run published the same output while this one ran; this run's result was kept aside."""
+
+
+def _conflict(tmp: Path, out: Path) -> None:
+    keep = out.with_name(f"{out.name}.run-{os.getpid()}")
+    os.rename(tmp, keep)
+    (keep / OWNER).unlink(missing_ok=True)
+    raise PublishConflict(f"Another run published {out} while this one was running; this run's result was kept as "
+                          f"{keep} (nothing was replaced): compare the two, then rename the one you keep")
+
+
+def _swap_in(tmp: Path, out: Path, expected=...) -> None:
+    if expected is not ... and _identity(out) != expected:
+        _conflict(tmp, out)
     if not out.exists():
-        os.rename(tmp, out)
+        done = _renameat2_noreplace(tmp, out)
+        if done is False:  # appeared just now: another run's
+            _conflict(tmp, out)
+        if done is None:
+            os.rename(tmp, out)
         return
     if _renameat2_exchange(tmp, out):  # tmp now holds the old result
         shutil.rmtree(tmp, ignore_errors=True)
         return
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    claim(out)  # while it is aside, it is an abandoned work folder once this process dies
     os.rename(out, old)
     os.rename(tmp, out)  # a crash before this line is repaired by recover_leftovers()
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _follow_umask(folder: Path) -> None:
+    """Files and folders written into ``folder`` get the modes the umask gives (some writers, e.g.
+    safetensors, create their files 0600)."""
+    mask = _umask()
+    for p in folder.rglob("*"):
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 def make_temp_dir(parent: Path, prefix: str) -> Path:
@@ -215,20 +335,30 @@ def publish_dir(output_dir: str | Path, write: Callable[[Path], None], kind: str
     the world may have changed during the compute).
     """
     out = Path(output_dir).expanduser()
-    prepare_output(out, overwrite)
+    expected = _AT_START.get(str(out.absolute()), ...)
+    if expected is ... or _identity(out) == expected:
+        _check_output(out, overwrite)
+    # else another run published here meanwhile: this run's result is written, then kept aside (_swap_in)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = make_temp_dir(out.parent, f".{out.name}.tmp-")
+        claim(tmp)  # an abandoned temp folder is recognised by this file and a dead owner, never by name
     except OSError as e:
         raise OutputError(f"Cannot write {out} ({e.strerror or e}); choose a writable --output_dir") from e
     try:
         write(tmp)
+        _follow_umask(tmp)
         from . import __version__
 
         (tmp / MARKER).write_text(json.dumps({"written_by": "shift-lightning", "version": __version__,
                                               "kind": kind, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                              "files": sorted(_entries(tmp))}) + "\n")
-        _swap_in(tmp, out)
+                                              "files": sorted(_entries(tmp)),
+                                              "fingerprints": _fingerprints(tmp, _entries(tmp))}) + "\n")
+        _swap_in(tmp, out, expected)
+        (out / OWNER).unlink(missing_ok=True)
+        _AT_START[str(out.absolute())] = _identity(out)
+    except PublishConflict:
+        raise
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_write_failure(e):
@@ -242,7 +372,7 @@ def is_write_failure(e: BaseException) -> bool:
     """An OS error while writing (no space, quota, permissions, I/O), also as safetensors reports it."""
     if isinstance(e, OSError):
         return True
-    return type(e).__name__ == "SafetensorError" and "IoError" in str(e)
+    return type(e).__name__ == "SafetensorError" and ("IoError" in str(e) or "I/O error" in str(e))
 
 
 def write_failure_reason(e: BaseException) -> str:
@@ -250,6 +380,9 @@ def write_failure_reason(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     m = re.search(r'message: "([^"]+)"', str(e))  # safetensors: IoError(Os { code: 28, ..., message: "..." })
+    if m:
+        return m.group(1)
+    m = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", str(e).strip())  # newer: "I/O error: File too large (os error 27)"
     return m.group(1) if m else " ".join(str(e).split())
 
 

@@ -71,3 +71,42 @@ def plain_config(config_doc: dict):
     if base in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         doc["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[base]]
     return CONFIG_MAPPING[base].from_dict(doc)
+
+
+# --------------------------------------------------------------------------------------------
+# What a folder may ask for: the one place every load from a user folder takes trust_remote_code
+# --------------------------------------------------------------------------------------------
+def trust_kwargs(user_flag: bool = False) -> dict:
+    """``trust_remote_code`` for a load from a folder: ``True`` only when the user's own flag
+    (``--model.trust_remote_code true``, ``ModelConfig(trust_remote_code=True)``) asked, never
+    because of something the folder says (an ``auto_map`` in ``tokenizer_config.json`` or
+    ``config.json``, a ``base_model`` record saying ``trust_remote_code: true``). Always explicit:
+    left unset, transformers would prompt "run the custom code? [y/N]"."""
+    return {"trust_remote_code": user_flag is True}
+
+
+def base_model_settings(base: dict, user_flag: bool = False) -> dict:
+    """A folder's ``base_model`` record as load settings, with ``trust_remote_code`` the user's own flag
+    (the record's value is ignored: a folder may not turn remote code on)."""
+    return {**base, **trust_kwargs(user_flag)}
+
+
+def load_tokenizer(path, user_flag: bool = False, **kw):
+    """``AutoTokenizer.from_pretrained(path)`` that never runs the folder's code unless ``user_flag``;
+    a tokenizer that exists only as the folder's code is one error naming the flag."""
+    from transformers import AutoTokenizer
+
+    from .arch import ModelLoadError
+
+    try:
+        return AutoTokenizer.from_pretrained(path, **kw, **trust_kwargs(user_flag))
+    except ValueError as e:
+        try:
+            asks = "auto_map" in json.loads((Path(path) / "tokenizer_config.json").read_text())
+        except (OSError, ValueError, TypeError):
+            asks = False
+        if asks and not user_flag:
+            raise ModelLoadError(f"{path}: its tokenizer_config.json names code of the folder (auto_map), which "
+                                 "shift-lightning does not run unless you ask: inspect it, then pass "
+                                 "--model.trust_remote_code true") from None
+        raise ModelLoadError(f"Could not load the tokenizer of {path}: {' '.join(str(e).split())[:300]}") from None

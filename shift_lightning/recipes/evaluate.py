@@ -11,6 +11,7 @@ from typing import Any
 from .. import dist
 from ..evaluation.runner import EvalConfig, EvalModule, markdown_table
 from ..evaluation.tasks import parse_tasks
+from ..finite import check_metrics, eval_metrics
 from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
 from ..progress import with_stage_progress
@@ -63,6 +64,7 @@ def run_evaluation(model_cfg: ModelConfig, cfg: EvalConfig, trainer: dict | None
     with ``trainer.predict`` (1 or more processes) and write ``eval_results.{json,md}`` from rank 0."""
     import lightning as L
 
+    cfg.validate()
     if dist.launch_rank() == 0:
         prepare_output(output_dir, overwrite, eval_inputs(model_cfg, cfg))
     if cfg.tasks:
@@ -71,6 +73,7 @@ def run_evaluation(model_cfg: ModelConfig, cfg: EvalConfig, trainer: dict | None
     module = EvalModule(model, tokenizer, cfg)
     t = L.Trainer(**with_signal_guard(with_stage_progress({**EVAL_TRAINER_DEFAULTS, **(trainer or {})})))
     res = module.evaluate(t)
+    check_metrics(eval_metrics(res), "evaluation", "Check the model and the options (e.g. --ppl_max_windows)")
     if t.is_global_zero and output_dir:
         extra = {"model": asdict(model_cfg), "eval": asdict(cfg),
                  "trainer": {k: str(v) for k, v in (trainer or {}).items()}}

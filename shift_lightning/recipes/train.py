@@ -40,6 +40,10 @@ from ..export import export_recovered
 from ..evaluation.runner import EvalConfig
 from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
+from ..finite import check_trained
+from ..fingerprints import input_digest, read_key
+from ..precheck import check_training
+from ..remote_code import base_model_settings
 from ..reports import RecoveryReport
 from ..recovery import RecoveryConfig, RecoveryData, RecoveryModule
 from ..stepdata import visited
@@ -93,7 +97,7 @@ def base_model_config(spec: dict) -> ModelConfig | None:
     """The unpruned model a saved folder's record names (``None`` when it names none)."""
     base = spec.get("base_model")
     if isinstance(base, dict):
-        return ModelConfig(tiny=base["tiny"]) if set(base) == {"tiny"} else ModelConfig(**base)
+        return ModelConfig(tiny=base["tiny"]) if set(base) == {"tiny"} else ModelConfig(**base_model_settings(base))
     return ModelConfig(name_or_path=base) if isinstance(base, str) else None
 
 
@@ -120,9 +124,10 @@ def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, o
         original_of(spec)
         return lm, tokenizer, spec
     key = {"model": asdict(model_cfg), **{k: asdict(v) for k, v in calib.items()}}
+    key["content"] = input_digest(model_cfg, calib)  # reused only for the same bytes, not just the same names
     calib_dir = calibration_dir(output_dir) if output_dir else None
     if calib_dir is not None and is_shift_folder(calib_dir):
-        done = json.loads((calib_dir / "calibration_key.json").read_text()) if (calib_dir / "calibration_key.json").exists() else None
+        done = read_key(calib_dir)
         if done == json.loads(json.dumps(key)):
             log.info("Reusing the calibration in %s (same model, data, pruning and calibration settings)", calib_dir)
             lm, tokenizer = load_pretrained(calib_dir)
@@ -243,6 +248,7 @@ class RecoveryRecipe:
         if self.calibrating:
             check_early(job.calib["prune"], job.calib["data"], job.calib["calibration"], job.calib["heldout"])
         check_schedule(trainer, job.val)
+        check_training(job.model if job.built is None else None, job.train_data, job.recovery)  # format, LoRA targets
         self.settings = run_settings(self._sections(), trainer)
         self.resume_from = resolve_resume(job.ckpt_path, self.ckpt_dir)
         self.resumed = read_checkpoint(self.resume_from) if self.resume_from is not None else None
@@ -375,6 +381,7 @@ class RecoveryRecipe:
         if steps == 0:
             log.warning("No training step was taken (max_steps %s): the exported model is the calibrated one, "
                         "marked \"recovered\": false", trainer.max_steps)
+        check_trained(self.module.model, self.after, steps)  # non-finite is never success (shift_lightning.finite)
         m = job.model
         return RecoveryReport(
             model=m.name_or_path if m.tiny is None else {"tiny": m.tiny}, pruned_layers=self.spec["pruned_layers"],
