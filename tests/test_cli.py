@@ -357,3 +357,14 @@ print("loaded:", sorted(m for m in ("torch", "lightning", "transformers", "peft"
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("--help") == 3 and r.stdout.count("--print_config") == 3, r.stdout
     assert "loaded: []" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("name", ["lra_span", "lra_auto", "guarded_joint"])
+def test_a_retired_solver_name_says_how_it_is_spelt_now(name, capsys):
+    from shift_lightning.calibration.config import RETIRED_SOLVERS
+
+    with pytest.raises(SystemExit) as e:
+        cli.calibrate_main(["--config", "tiny.yaml", "--output_dir", "/tmp/unused", "--calibration.solver", name])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert err.splitlines()[0] == f"error: --calibration.solver {name} is now spelt with knobs: {RETIRED_SOLVERS[name]}"

@@ -128,3 +128,20 @@ def test_do_no_harm_guard_keeps_good_maps_and_drops_useless_ones(tiny):
     assert corr.solver == "lra_guard"
 
 
+
+
+def test_the_spelling_a_retired_name_is_told_is_the_grids_variant():
+    """``--calibration.solver lra_span`` is refused with the knobs to set instead; set on the command line, those
+    knobs are exactly the grid's variant of that name."""
+    import shlex
+
+    from shift_lightning.calibration.config import RETIRED_SOLVERS
+    from shift_lightning.recipes import cli
+
+    parser = cli.calibrate_parser()
+    assert set(RETIRED_SOLVERS) == {v for v in variants.VARIANTS if variants.solver_of(v) != v}
+    for name, spelling in RETIRED_SOLVERS.items():
+        argv = cli.preprocess_argv(["--output_dir", "/tmp/unused", *shlex.split(spelling)], parser)
+        got = parser.instantiate_classes(parser.parse_args(argv)).calibration
+        want = CalibrationConfig(**variants.VARIANTS[name])
+        assert got == want, name

@@ -17,6 +17,18 @@ log = logging.getLogger(__name__)
 #: where each solver's one-line description is), read when this module is imported.
 SolverName = Literal[tuple(SOLVERS)]  # type: ignore[valid-type]
 
+#: Solver names that became knob combinations, and how to spell them now (a config or command line that still uses
+#: one is told).
+RETIRED_SOLVERS = {
+    "lra_span": "--calibration.solver lra --calibration.granularity span",
+    "lra_anchored": "--calibration.solver lra --calibration.granularity span --calibration.mode anchored",
+    "lra_auto": "--calibration.solver lra --calibration.mode auto",
+    "lra_replaceme_anchored": "--calibration.solver lra_replaceme --calibration.mode anchored",
+    "lra_replaceme_auto": "--calibration.solver lra_replaceme --calibration.mode auto",
+    "guarded_span": "--calibration.solver guarded --calibration.guard_extra '[span_lra]'",
+    "guarded_joint": "--calibration.solver guarded --calibration.guard_extra '[span_lra, lra_replaceme]'",
+}
+
 #: Extra candidates the guard may choose (``--calibration.guard_extra``).
 GuardExtra = Literal["span_lra", "lra_replaceme"]
 

@@ -300,7 +300,14 @@ def parse_args(parser, argv: list[str]) -> Namespace:
     try:
         return parser.parse_args(preprocess_argv(argv, parser))
     except ArgumentError as e:
-        raise UsageError(_one_line(e)) from None
+        msg = _one_line(e)
+        if "calibration.solver" in msg:
+            from ..calibration.config import RETIRED_SOLVERS
+
+            got = msg.rsplit("Got value: ", 1)[-1].strip()
+            if got in RETIRED_SOLVERS:
+                msg = f"--calibration.solver {got} is now spelt with knobs: {RETIRED_SOLVERS[got]}"
+        raise UsageError(msg) from None
 
 
 def parse(parser: ArgumentParser, argv: list[str]) -> tuple[Namespace, str]:
