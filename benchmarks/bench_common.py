@@ -83,7 +83,7 @@ def heldout_split(model, tok, num: int = 64, seq_len: int = 512):
     """The grids' held-out checks: ``num`` mixed calibration windows (random tokens for a random model), every
     4th held out. Returns ``(fit, judge, refs)``, ``refs`` the original's references on the held-out windows."""
     from shift_lightning.data import TextDataConfig, TokenWindows, build_windows
-    from shift_lightning.fidelity import window_references
+    from shift_lightning.closeness import window_references
 
     if tok is not None:
         win = build_windows(TextDataConfig(source="mixed", num_samples=num, seq_len=seq_len), tok, model.config.model_type)

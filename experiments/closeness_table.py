@@ -1,4 +1,4 @@
-"""Closeness to the original across the paper grids: the README's fidelity table and the targets.
+"""Closeness to the original across the paper grids: the README's closeness table and the targets.
 
     python -m experiments.closeness_table          # -> results/fidelity.{md,json}
     python -m experiments.closeness_table --repair lra_span --out results/fidelity_lra_span
@@ -51,7 +51,7 @@ COLUMNS = (("wiki", "pruned", "pruned"), ("wiki", "lra", "+LRA"), ("wiki", "repl
 
 
 @dataclass
-class FidelityTableConfig:
+class ClosenessTableConfig:
     """The grids to read and the repair whose targets are counted."""
 
     models: list[str] = field(default_factory=lambda: ["smollm2-135m", "gemma3-270m"])
@@ -115,7 +115,7 @@ def _largest_drop(run: dict, pruned: dict, original: dict) -> dict | None:
             "avg_share": d / len(drops)}
 
 
-def model_rows(cfg: FidelityTableConfig, model: str) -> dict | None:
+def model_rows(cfg: ClosenessTableConfig, model: str) -> dict | None:
     """Rows and target counts for one model; ``None`` when the wiki grid has no original row."""
     from shift_lightning.evaluation.summary import Bootstrap
 
@@ -229,7 +229,7 @@ def _towards_note(x: dict | None) -> str:
             f"original's accuracy, {fmt_change(x['rest'], x['rest_ci'])} the rest")
 
 
-def markdown(docs: list[dict], cfg: FidelityTableConfig) -> str:
+def markdown(docs: list[dict], cfg: ClosenessTableConfig) -> str:
     lines = ["# Closeness to the original across the paper grids", "",
              "Cells: KL(original ‖ model) in nats per position on "
              + " / ".join(set_label(s) for s in docs[0]["sets"]) + " (held-out wiki-summaries windows, LAMBADA "
@@ -285,7 +285,7 @@ def _pct(v: float) -> str:
     return "–" if v != v else f"{100 * v:.1f}"
 
 
-def _replaceme_table(doc: dict, cfg: FidelityTableConfig) -> list[str]:
+def _replaceme_table(doc: dict, cfg: ClosenessTableConfig) -> list[str]:
     """Per criterion and calibration text: the repair against the better ReplaceMe fitted on the same text,
     with the paired differences (repair − ReplaceMe) behind the target counts."""
     sets = doc["sets"]
@@ -308,7 +308,7 @@ def _replaceme_table(doc: dict, cfg: FidelityTableConfig) -> list[str]:
     return lines
 
 
-def _guard_table(doc: dict, cfg: FidelityTableConfig) -> list[str]:
+def _guard_table(doc: dict, cfg: ClosenessTableConfig) -> list[str]:
     """Per guard, criterion and calibration text where it ran: its choices per span, its KL beside the
     repair's, and its paired differences from pruning alone (does it remove the repair's falls?)."""
     sets = doc["sets"]
@@ -350,7 +350,7 @@ def _guard_table(doc: dict, cfg: FidelityTableConfig) -> list[str]:
     return lines
 
 
-def render(cfg: FidelityTableConfig) -> Path:
+def render(cfg: ClosenessTableConfig) -> Path:
     docs = [d for d in (model_rows(cfg, m) for m in cfg.models) if d is not None]
     if not docs:
         raise FileNotFoundError(f"No paper-grid runs under {list(cfg.grids.values())} for {cfg.models}: run "
@@ -364,12 +364,12 @@ def render(cfg: FidelityTableConfig) -> Path:
 def main(argv: list[str] | None = None):
     from shift_lightning.recipes.cli import dataclass_main
 
-    def go(cfg: FidelityTableConfig):
+    def go(cfg: ClosenessTableConfig):
         out = render(cfg)
         print(f"Fidelity table in {out.with_suffix('.md')}")
         return out
 
-    return dataclass_main(FidelityTableConfig, go, __doc__.splitlines()[0], argv)
+    return dataclass_main(ClosenessTableConfig, go, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

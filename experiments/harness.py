@@ -178,7 +178,7 @@ def load_reference(evaluator: Evaluator, path: Path) -> bool:
     import torch.distributed as tdist
     from safetensors.torch import load_file
 
-    from shift_lightning.fidelity import TopK
+    from shift_lightning.closeness import TopK
 
     evaluator.reference_file = None
     if not path.exists() or (tdist.is_available() and tdist.is_initialized()):

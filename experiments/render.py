@@ -78,9 +78,9 @@ _MIXED_GRID = ("--grid.calib_source", "mixed", "--grid.out", "results/paper_mixe
 
 
 def _closeness_tables() -> list[Job]:
-    from experiments.closeness_table import FidelityTableConfig
+    from experiments.closeness_table import ClosenessTableConfig
 
-    base = FidelityTableConfig().out  # the default repair's table; the others are named after it
+    base = ClosenessTableConfig().out  # the default repair's table; the others are named after it
     return [Job("closeness_table")] + [Job("closeness_table", ("--repair", r, "--out", f"{base}_{r}"))
                                        for r in CLOSENESS_REPAIRS]
 

@@ -25,7 +25,7 @@ same windows, and share every block before the first pruning site (run once for 
 each run (:mod:`~experiments.tables.paper`). With ``--refit_kept k`` every map is followed by the
 main job's guarded kept-block re-fit (:func:`~shift_lightning.keptfit.guarded_refit`, on the same calibration
 windows) before it is scored, and the run file records what the re-fit tried and kept (``refit``): a grid of its
-own (``--out``), whose rows the fidelity tables read as one more calibration setting.
+own (``--out``), whose rows the closeness tables read as one more calibration setting.
 """
 
 from __future__ import annotations

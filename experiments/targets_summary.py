@@ -1,8 +1,8 @@
-"""The issue's targets for several repairs side by side, read from the fidelity tables' JSON.
+"""The issue's targets for several repairs side by side, read from the closeness tables' JSON.
 
     python -m experiments.targets_summary        # -> results/targets.{md,json}
 
-Each fidelity table (``python -m experiments.closeness_table [--repair …]``) counts, for one
+Each closeness table (``python -m experiments.closeness_table [--repair …]``) counts, for one
 repair and per model and calibration text, how many criteria meet each target. This puts those counts
 in one table, one line per model and repair, with each target marked **met**, **not met**, or **open**
 (criteria still missing could still change it), so that which repair reaches which target, on which
@@ -34,7 +34,7 @@ MET, NOT_MET, OPEN = "met", "not met", "open"
 
 @dataclass
 class TargetsSummaryConfig:
-    """The fidelity tables to read (one per repair) and the targets' thresholds."""
+    """The closeness tables to read (one per repair) and the targets' thresholds."""
 
     tables: list[str] = field(default_factory=lambda: ["results/fidelity.json", "results/fidelity_lra_span.json",
                                                        "results/fidelity_lra_anchored.json",
@@ -45,7 +45,7 @@ class TargetsSummaryConfig:
                                                        "results/fidelity_lra_replaceme_auto.json",
                                                        "results/fidelity_guarded_joint.json"])
     grid: str = "mixed"
-    """The calibration text whose rows are counted (the fidelity tables' grid name)."""
+    """The calibration text whose rows are counted (the closeness tables' grid name)."""
     also: dict[str, str] = field(default_factory=lambda: {"mixed_refit": "+ kept-block re-fit"})
     """Further grids counted where a table has rows on them, each line labelled ``repair`` + this (``mixed_refit``:
     the same maps on the same text, each followed by the guarded kept-block re-fit); compared with the default
@@ -74,7 +74,7 @@ def _at_least(hits: int, run: int, total: int, need: int) -> str:
 
 def _falls(model: dict, grid: str, harm: list[str]) -> list[dict]:
     """Per criterion where the repair is significantly below pruning: the paired differences and the task
-    that fell most (the fidelity table's own reading, so that a ✗ carries its reason)."""
+    that fell most (the closeness table's own reading, so that a ✗ carries its reason)."""
     by = {r["criterion"]: r.get("targets", {}).get(grid) or {} for r in model["rows"]}
     return [{"criterion": c, "vs_pruned": by.get(c, {}).get("vs_pruned"),
              "largest_task_drop": by.get(c, {}).get("largest_task_drop"),
@@ -100,7 +100,7 @@ def closer_than(model: dict, grid: str, repair: str, other: str, other_grid: str
 
 
 def summarize(doc: dict, cfg: TargetsSummaryConfig) -> list[dict]:
-    """One line per model and grid (``cfg.grid``, then ``cfg.also``'s) of a fidelity table where it has rows: the
+    """One line per model and grid (``cfg.grid``, then ``cfg.also``'s) of a closeness table where it has rows: the
     counts and each target's status."""
     return [x for grid in (cfg.grid, *cfg.also) for x in _summarize(doc, cfg, grid)]
 
@@ -137,7 +137,7 @@ def _mark(status: str) -> str:
 def markdown(lines: list[dict], cfg: TargetsSummaryConfig) -> str:
     goal = f"{100 * cfg.robust_goal:.0f}"
     out = [f"# The issue's targets, per repair ({cfg.grid} calibration text)", "",
-           "Counts of criteria from the fidelity tables (`python -m experiments.closeness_table "
+           "Counts of criteria from the closeness tables (`python -m experiments.closeness_table "
            "[--repair …]`); ✓ met, ✗ not met, … open (criteria not run yet could change it). Targets: closer "
            "than pruning on every set under every criterion; significantly below pruning on Avg or Robust under "
            f"none; the best criterion keeps ≥ {goal} % Robust; lower KL on every set than the better ReplaceMe "
@@ -194,7 +194,7 @@ def _fall(f: dict) -> str:
 def render(cfg: TargetsSummaryConfig) -> Path:
     missing = [p for p in cfg.tables if not Path(p).exists()]
     if missing:
-        raise FileNotFoundError(f"Fidelity tables not found: {missing}. Render each with python -m "
+        raise FileNotFoundError(f"Closeness tables not found: {missing}. Render each with python -m "
                                 "experiments.closeness_table --repair <repair> --out <path without .json>")
     docs = [json.loads(Path(p).read_text()) for p in cfg.tables]
     models = list(dict.fromkeys(m["model"] for d in docs for m in d["models"]))

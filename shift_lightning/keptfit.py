@@ -36,7 +36,7 @@ import torch
 
 from .arch import block_input, block_output, decoder_layers
 from .errors import ShiftError
-from .fidelity import window_closeness, window_references
+from .closeness import window_closeness, window_references
 
 #: The linear layers of a block in the order its forward runs them; each group shares one input.
 GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
@@ -248,7 +248,7 @@ def refit_pairs(layers: list[int], n: int, k: int | str) -> list[tuple[int, int]
 
 def heldout_kl(model, windows, refs: dict, reduce=None) -> float:
     """Mean next-token KL(original ‖ ``model``) over every real position of ``windows`` (``refs``: the original's
-    :func:`~shift_lightning.fidelity.window_references` on them; across ranks, this rank's share and ``reduce``)."""
+    :func:`~shift_lightning.closeness.window_references` on them; across ranks, this rank's share and ``reduce``)."""
     return window_closeness(model, windows.input_ids, windows.attention_mask, refs, reduce=reduce)[0]
 
 

@@ -17,7 +17,7 @@ Training details a long run needs:
 * the loss is the next-token NLL computed from the final hidden states in chunks
   (:func:`~shift_lightning.nll.lm_nll_sum`): no ``(B, T, V)`` float32 logits are materialised;
   Alpaca data restricts it to the response tokens; ``loss="kd"``: KL(original ‖ model) instead, chunked
-  the same way (:func:`~shift_lightning.fidelity.kd_loss_sum`);
+  the same way (:func:`~shift_lightning.closeness.kd_loss_sum`);
 * AdamW (no decay on biases/norms), LRAs in their own parameter group (``lra_lr``), linear warm-up
   then cosine decay to ``min_lr_ratio``; logs ``train/loss``, ``train/lr`` (``train/lra_lr``),
   ``train/tokens_per_s``, ``val/loss``, ``val/ppl`` (token-weighted, summed over ranks);
@@ -46,7 +46,7 @@ from . import dist, stopping
 from .arch import base_model, decoder_layers
 from .config import DEFAULT_TARGETS, RecoveryConfig  # noqa: F401 (re-exported)
 from .errors import ConfigError
-from .fidelity import kd_loss_sum, kl_top1_from_hidden
+from .closeness import kd_loss_sum, kl_top1_from_hidden
 from .nll import lm_nll_sum
 from .calibration.sites import pruned_positions
 from .stepdata import RecoveryData, StepBatchSampler  # noqa: F401 (re-exported)

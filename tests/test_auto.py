@@ -16,7 +16,7 @@ from shift_lightning.calibration.solvers.joint import LRAReplaceMe
 from shift_lightning.calibration.solvers.ridge import LRA
 from shift_lightning.data import TokenWindows
 from shift_lightning.errors import ConfigError
-from shift_lightning.fidelity import kl_top1, topk_reference
+from shift_lightning.closeness import kl_top1, topk_reference
 from shift_lightning.models import build_tiny_model
 from shift_lightning.surgery import apply_correction, remove_blocks
 

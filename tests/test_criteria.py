@@ -395,7 +395,7 @@ def test_linear_fit_kl_judges_each_candidate_as_the_whole_repaired_model(family,
     closest one is chosen; the span costs are linear_fit's."""
     from shift_lightning.arch import Bypass, swapped_blocks
     from shift_lightning.criteria import best_per_span_count
-    from shift_lightning.fidelity import kl_top1, lm_softcap, topk_reference
+    from shift_lightning.closeness import kl_top1, lm_softcap, topk_reference
 
     model = build_tiny_model(family, seed=2)[0].double()
     kw = dict(ratio=0.34, heldout_every=3, damping=1e-3, batch_size=2)

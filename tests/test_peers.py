@@ -554,7 +554,7 @@ def test_guard_judge_runs_the_pruned_model_exactly(family):
     the next kept block, ReplaceMe as a hook on the MLP branch): its KL equals the KL of the same model
     built by surgery and run normally (sliding-window attention included)."""
     from shift_lightning.calibration.judge import GuardJudge
-    from shift_lightning.fidelity import kl_top1, topk_reference
+    from shift_lightning.closeness import kl_top1, topk_reference
 
     model, tok = build_tiny_model(family, num_hidden_layers=6, dtype=torch.float64)
     win = _windows(tok, n=6)

@@ -1,5 +1,5 @@
 """How good is the top-k KL? The closeness measure stores the original's top-k next-token
-probabilities per position plus one bucket for the rest (:mod:`shift_lightning.fidelity`); this
+probabilities per position plus one bucket for the rest (:mod:`shift_lightning.closeness`); this
 compares that with the exact KL from both models' full logits, on a real model and real text.
 
     python experiments/checks/fidelity_topk.py --model smollm2-135m --out results/bench/fidelity_topk_smollm2
@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule  # noqa: E402
 from shift_lightning.criteria import PruneConfig  # noqa: E402
 from shift_lightning.data import TextDataConfig, build_windows  # noqa: E402
-from shift_lightning.fidelity import kl_exact, kl_top1, lm_softcap, topk_reference  # noqa: E402
+from shift_lightning.closeness import kl_exact, kl_top1, lm_softcap, topk_reference  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
 from shift_lightning.selection import select_blocks  # noqa: E402
 from shift_lightning.surgery import apply_correction, remove_blocks  # noqa: E402

@@ -27,7 +27,7 @@ from shift_lightning.calibration import CalibrationConfig, CalibrationModule  # 
 from shift_lightning.calibration.maps import chain  # noqa: E402
 from shift_lightning.criteria import PruneConfig  # noqa: E402
 from shift_lightning.data import TextDataConfig, build_windows  # noqa: E402
-from shift_lightning.fidelity import kl_top1, lm_softcap, topk_reference  # noqa: E402
+from shift_lightning.closeness import kl_top1, lm_softcap, topk_reference  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
 from shift_lightning.selection import select_blocks  # noqa: E402
 

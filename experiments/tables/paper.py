@@ -215,7 +215,7 @@ def markdown(rows: list[dict], info: dict, criteria: list[str], variants: list[s
         lines += ["", f"Pending: {len(info['pending'])} runs ({', '.join(info['pending'])})."]
     lines += ["", *closeness_table(rows, info, criteria, variants)]
     lines += ["", *summary(rows, criteria, variants)]
-    lines += ["", *fidelity_summary(rows, criteria, variants)]
+    lines += ["", *closeness_summary(rows, criteria, variants)]
     devices: dict[str, int] = {}
     for r in rows:
         devices[r["device"]] = devices.get(r["device"], 0) + 1
@@ -225,7 +225,7 @@ def markdown(rows: list[dict], info: dict, criteria: list[str], variants: list[s
     return "\n".join(lines) + "\n"
 
 
-def _fidelity_sets(rows: list[dict]) -> list[str]:
+def _closeness_sets(rows: list[dict]) -> list[str]:
     for r in rows:
         if "kl" in r:
             return list(r["kl"])
@@ -234,7 +234,7 @@ def _fidelity_sets(rows: list[dict]) -> list[str]:
 
 def closeness_table(rows: list[dict], info: dict, criteria: list[str], variants: list[str]) -> list[str]:
     """Criterion × variant: KL(original ‖ model) and top-1 agreement on every closeness set."""
-    sets = _fidelity_sets(rows)
+    sets = _closeness_sets(rows)
     if not sets:
         return []
     by = {(r["criterion"], r["variant"]): r for r in rows}
@@ -301,10 +301,10 @@ def summary(rows: list[dict], criteria: list[str], variants: list[str]) -> list[
     return lines
 
 
-def fidelity_summary(rows: list[dict], criteria: list[str], variants: list[str]) -> list[str]:
+def closeness_summary(rows: list[dict], criteria: list[str], variants: list[str]) -> list[str]:
     """Per repair: under how many criteria it is closer to the original than pruning on every set, never
     significantly below pruning in accuracy, and ahead of the better ReplaceMe variant."""
-    sets = _fidelity_sets(rows)
+    sets = _closeness_sets(rows)
     if not sets:
         return []
     by = {(r["criterion"], r["variant"]): r for r in rows}
@@ -354,7 +354,7 @@ def plot(rows: list[dict], folder: Path, criteria: list[str], variants: list[str
         return
     orig = by[("none", "original")]
     first_ppl = next(iter(orig["ppl"]))
-    sets = _fidelity_sets(rows)
+    sets = _closeness_sets(rows)
     panels = [("avg", "Avg zero-shot accuracy (%)"), ("robust", "Robust: above-chance accuracy kept (%)"),
               ("ppl", "held-out PPL (log scale)")] + ([("kl", f"KL to the original, {set_label(sets[-1])} (log)")]
                                                       if sets else [])

@@ -128,7 +128,7 @@ def test_low_rank_check_rows_from_one_pass_and_full_rank_equals_the_solvers(tmp_
 
     from shift_lightning.calibration import CalibrationConfig, CalibrationModule
     from shift_lightning.data import TokenWindows
-    from shift_lightning.fidelity import window_references
+    from shift_lightning.closeness import window_references
     from shift_lightning.surgery import apply_correction, remove_blocks
 
     model = C.build_model("random:tiny", torch.device("cpu"))[0]

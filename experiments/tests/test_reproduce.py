@@ -423,10 +423,10 @@ def test_domain_comparison_of_two_grids(tmp_path):
     assert f"two lower in 0 of {len(same)} rows ({len(same)} equal within a relative 0.0001)." in md
     assert f"- Avg: two higher in 0 of {len(same)} (significantly: 0; significantly lower: 0)" in md
 
-    # the cross-grid fidelity table: the same counts, computed from the same files
-    from experiments.closeness_table import FidelityTableConfig, render as render_table
+    # the cross-grid closeness table: the same counts, computed from the same files
+    from experiments.closeness_table import ClosenessTableConfig, render as render_table
 
-    out = render_table(FidelityTableConfig(models=["tiny"], grids={"wiki": str(tmp_path / "a"), "mixed": str(tmp_path / "b")},
+    out = render_table(ClosenessTableConfig(models=["tiny"], grids={"wiki": str(tmp_path / "a"), "mixed": str(tmp_path / "b")},
                                            criteria=["reverse_star", "angular"], out=str(tmp_path / "fid"), n_boot=50))
     table = json.loads(out.with_suffix(".json").read_text())["models"][0]
     t = table["targets"]["mixed"]
@@ -477,7 +477,7 @@ def test_domain_comparison_of_two_grids(tmp_path):
     assert row["guards"]["guarded_span"]["chosen"] == [site["guard"]["chosen"] for site in span_run["sites"]]
     assert "The do-no-harm guard `guarded` (" in md and "The do-no-harm guard `guarded_span` (" in md
     # the targets of another repair (a candidate default): counted from its own rows, in whichever grid has them
-    out = render_table(FidelityTableConfig(models=["tiny"], grids={"wiki": str(tmp_path / "a"), "mixed": str(tmp_path / "b")},
+    out = render_table(ClosenessTableConfig(models=["tiny"], grids={"wiki": str(tmp_path / "a"), "mixed": str(tmp_path / "b")},
                                            criteria=["reverse_star", "angular"], out=str(tmp_path / "fid_g"), n_boot=50,
                                            repair="guarded_span"))
     tg = json.loads(out.with_suffix(".json").read_text())["models"][0]["rows"][0]["targets"]
@@ -488,7 +488,7 @@ def test_domain_comparison_of_two_grids(tmp_path):
     assert "| top-1 tasks pruned → guarded_span |" in md_g
     # a grid without same-text ReplaceMe rows says so instead of counting "0 of 0"
     (tmp_path / "b" / "tiny" / "reverse_star" / "replaceme.json").unlink()
-    out = render_table(FidelityTableConfig(models=["tiny"], grids={"wiki": str(tmp_path / "a"), "mixed": str(tmp_path / "b")},
+    out = render_table(ClosenessTableConfig(models=["tiny"], grids={"wiki": str(tmp_path / "a"), "mixed": str(tmp_path / "b")},
                                            criteria=["reverse_star", "angular"], out=str(tmp_path / "fid"), n_boot=50))
     assert json.loads(out.with_suffix(".json").read_text())["models"][0]["targets"]["mixed"]["replaceme_of"] == 0
     md = out.with_suffix(".md").read_text()

@@ -1,4 +1,4 @@
-"""The targets summary: counts from the fidelity tables, each target met / not met / open."""
+"""The targets summary: counts from the closeness tables, each target met / not met / open."""
 
 import json
 from pathlib import Path
@@ -12,7 +12,7 @@ CRITERIA = ["a", "b", "c", "d"]
 
 
 def _doc(repair, run, closer, harm, robust, kl_below, robust_above):
-    """A fidelity table's JSON for one model: ``run`` of the four criteria have the repair's rows."""
+    """A closeness table's JSON for one model: ``run`` of the four criteria have the repair's rows."""
     t = {"criteria": len(run), "closer": closer, "closer_of": len(run), "harm": harm, "harm_of": len(run),
          "best_robust": {"criterion": run[0], "robust": robust, "robust_ci": [robust - 0.1, robust + 0.1]},
          "kl_below_replaceme": kl_below, "robust_above_replaceme": robust_above, "replaceme_of": len(run)}
@@ -52,7 +52,7 @@ def test_render_orders_by_model_and_names_a_missing_table(tmp_path):
 
 
 def test_the_committed_summary_is_the_committed_fidelity_tables(tmp_path, monkeypatch):
-    """results/targets.* is re-rendered whenever a fidelity table changes (the README quotes it)."""
+    """results/targets.* is re-rendered whenever a closeness table changes (the README quotes it)."""
     monkeypatch.chdir(ROOT)
     committed = json.loads((ROOT / "results" / "targets.json").read_text())
     out = render(TargetsSummaryConfig(out=str(tmp_path / "t")))

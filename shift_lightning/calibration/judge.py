@@ -3,7 +3,7 @@
 One :class:`~shift_lightning.passes.DataPass` over the held-out calibration windows (sharded over
 ranks). Per batch it runs the *original* model once and keeps (on its rank)
 
-* the original's top-k next-token distributions at every real position (:class:`~shift_lightning.fidelity.TopK`),
+* the original's top-k next-token distributions at every real position (:class:`~shift_lightning.closeness.TopK`),
 * the hidden state entering block ``b₀ = first span start − 1`` and every later block's call
   arguments (as GPTQ's sequential driver does), so candidates are run from there, not from the
   embeddings.
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..arch import block_input, block_output, decoder_layers, final_norm, mlp_branch
-from ..fidelity import kl_top1_from_hidden, lm_softcap, topk_from_hidden
+from ..closeness import kl_top1_from_hidden, lm_softcap, topk_from_hidden
 from ..passes import DataPass, sum_across_ranks
 from .maps import SpanMap
 from .sites import Site

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ..arch import Bypass, block_hooks, decoder_layers, swapped_blocks
-from ..fidelity import kl_top1_from_hidden, lm_softcap, topk_from_hidden
+from ..closeness import kl_top1_from_hidden, lm_softcap, topk_from_hidden
 from ..lra import AdapterSpec, LinearResidualAdapter
 from ..stats import RidgeStats, ridge_solve
 from .base import CriterionError
@@ -262,7 +262,7 @@ class LinearFitKL(LinearFit):
     smallest total cost (:func:`best_per_span_count`: at most ``k`` sets), and on the held-out windows
     each candidate runs as the pruned model with every removed block replaced by its LRA (consecutive
     maps chained, the merged map calibration builds), scored by the mean next-token
-    KL(original ‖ repaired) against the original's top-``topk`` distribution (:mod:`~shift_lightning.fidelity`,
+    KL(original ‖ repaired) against the original's top-``topk`` distribution (:mod:`~shift_lightning.closeness`,
     the grid's closeness measure). The closest candidate is removed (ties: fewer spans).
 
     Cost of the third pass per batch: one forward of the original and one of each candidate (at most

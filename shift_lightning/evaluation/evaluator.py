@@ -19,7 +19,7 @@ from ..arch import base_model
 from ..data import check_seq_len
 from ..config import EvalConfig  # noqa: F401 (re-exported)
 from ..errors import ConfigError
-from . import fidelity as F
+from . import closeness as F
 from . import perplexity as P
 from . import scoring as S
 from .tasks import TASKS, Doc, load_docs, parse_tasks
@@ -117,10 +117,10 @@ class Evaluator:
             self.sums[t] = {k: torch.zeros(len(td.docs), **f64) for k in keys + ("seen",)}
         for p in self.ppl_names:
             self.sums[f"ppl/{p}"] = {"nll": torch.zeros(1, **f64), "tokens": torch.zeros(1, **f64)}
-        self.fidelity = {name: F.FidelitySums(n, dev) for name, n in self.fidelity_sets().items()}
+        self.closeness_sums = {name: F.ClosenessSums(n, dev) for name, n in self.closeness_sets().items()}
         self.n_requests = 0
 
-    def fidelity_sets(self) -> dict[str, int]:
+    def closeness_sets(self) -> dict[str, int]:
         """Set name -> number of items (windows, or docs for the prompts) of the closeness measure."""
         if not self.cfg.kl:
             return {}
@@ -132,7 +132,7 @@ class Evaluator:
     def state(self) -> list[torch.Tensor]:
         """Every sum, in a fixed order (what is summed across ranks)."""
         return [v for group in self.sums.values() for v in group.values()] + \
-            [t for f in self.fidelity.values() for t in f.tensors()]
+            [t for f in self.closeness_sums.values() for t in f.tensors()]
 
     # ---------------------------------------------------------------- units
     def units(self) -> list[Unit]:
@@ -162,7 +162,7 @@ class Evaluator:
             ref = F.topk_reference(logits, self.cfg.kl_topk, softcap) if record else self.reference[(name, i)]
             if record:
                 self.reference[(name, i)] = ref
-            self.fidelity[name].add(i if item is None else item, logits, ref, softcap)  # the original: KL 0
+            self.closeness_sums[name].add(i if item is None else item, logits, ref, softcap)  # the original: KL 0
 
         return on_logits
 
@@ -240,7 +240,7 @@ class Evaluator:
                                     "stride": self.cfg.ppl_stride or self.cfg.ppl_seq_len - 1,
                                     "bos": self.ppl_bos}
         if self.cfg.kl and (self.recorded or self.reference):
-            res["closeness"] = {name: F.summarize(f) for name, f in self.fidelity.items()}
+            res["closeness"] = {name: F.summarize(f) for name, f in self.closeness_sums.items()}
             res["kl"] = {name: e["kl"] for name, e in res["closeness"].items()}
             res["top1"] = {name: e["top1"] for name, e in res["closeness"].items()}
         mc = [e["value"] for t, e in res["tasks"].items() if TASKS[t].output_type == "multiple_choice"]

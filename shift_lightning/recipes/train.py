@@ -291,7 +291,7 @@ class RecoveryRecipe:
     def record_original(self, original: nn.Module, tokenizer) -> None:
         """The unpruned model's distributions: on the validation windows (``val/kl``) and, under
         ``loss="kd"``, on the training windows this rank will read (the teacher)."""
-        from ..fidelity import window_references
+        from ..closeness import window_references
 
         rec, val = self.job.recovery, self.job.val
         if rec.val_kl and val is not None and val.num_samples > 0:
@@ -303,7 +303,7 @@ class RecoveryRecipe:
 
     def _teacher(self, original: nn.Module, tokenizer) -> dict:
         """The original's top ``kd_topk`` on only the training windows this rank reads in ``max_steps`` steps."""
-        from ..fidelity import window_references
+        from ..closeness import window_references
         from ..progress import stage_bar
 
         trainer, rec, data = self.trainer, self.job.recovery, self.job.train_data

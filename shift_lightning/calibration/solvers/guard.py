@@ -22,7 +22,7 @@ the candidates
 and, span after span (earlier spans at their chosen map, later spans at the plain LRA), runs the
 pruned model on the held-out windows with each candidate in place and keeps the one with the
 lowest mean ``KL(original ‖ model)`` (the original's top-``guard_topk`` distributions,
-:mod:`shift_lightning.fidelity`; ties go to the earlier candidate). The chosen map is then refitted
+:mod:`shift_lightning.closeness`; ties go to the earlier candidate). The chosen map is then refitted
 on all windows. The held-out windows are calibration text, never the evaluated data.
 """
 

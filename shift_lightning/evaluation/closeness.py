@@ -1,6 +1,6 @@
 """Closeness to the original model on evaluation text: KL and top-1 agreement per window or doc.
 
-Three kinds of held-out text (the maths and the top-``k`` storage: :mod:`shift_lightning.fidelity`):
+Three kinds of held-out text (the maths and the top-``k`` storage: :mod:`shift_lightning.closeness`):
 
 * every perplexity set (held-out wiki-summaries, LAMBADA passages, …): the positions that predict
   the window's scored tokens, from the very logits the perplexity is computed on (no extra pass);
@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..fidelity import TopK, kl_top1, lm_softcap, topk_reference
+from ..closeness import TopK, kl_top1, lm_softcap, topk_reference
 from . import scoring as S
 from .tasks import Doc
 
-#: The fidelity set of the zero-shot tasks' prompts.
+#: The closeness set of the zero-shot tasks' prompts.
 TASKS_SET = "tasks"
 
 
@@ -84,7 +84,7 @@ def prompt_logits(model: nn.Module, windows: list[PromptWindow], max_batch_token
         s += n
 
 
-class FidelitySums:
+class ClosenessSums:
     """Per-item float64 sums of one set (``Σ KL``, ``Σ top-1``, positions), dense over the items so a
     plain sum across ranks gives every rank all of them."""
 
@@ -106,7 +106,7 @@ def reference_of(logits: torch.Tensor, k: int, model: nn.Module) -> TopK:
     return topk_reference(logits, k, lm_softcap(model))
 
 
-def summarize(sums: FidelitySums, n_boot: int = 1000, seed: int = 0) -> dict:
+def summarize(sums: ClosenessSums, n_boot: int = 1000, seed: int = 0) -> dict:
     """Mean KL / top-1 over positions, 95 % bootstrap intervals over items, and the per-item sums."""
     kl, top1, n = (t.cpu().numpy() for t in sums.tensors())
     keep = n > 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shift_lightning.evaluation.runner import EvalConfig, evaluate_model, make_evaluator, record_reference
-from shift_lightning.fidelity import kd_loss_sum, kl_exact, kl_top1, topk_reference
+from shift_lightning.closeness import kd_loss_sum, kl_exact, kl_top1, topk_reference
 from shift_lightning.models import build_tiny_model
 from shift_lightning.surgery import remove_blocks
 

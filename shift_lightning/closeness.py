@@ -17,7 +17,7 @@ for Gemma's 262k vocabulary). KL is then evaluated on the coarse-grained distrib
 By the log-sum inequality ``KL_k ≤ KL`` (merging outcomes never increases KL), and the gap is the
 KL inside the tail, at most ``p_tail``-weighted: small when the top ``k`` carry almost all of
 ``p``'s mass. The approximation's error against the exact KL is measured on a real model in
-``experiments/checks/fidelity_topk.py`` and tested in ``tests/test_fidelity.py``.
+``experiments/checks/fidelity_topk.py`` and tested in ``tests/test_closeness.py``.
 
 Memory: the model's logits are consumed a chunk of positions at a time (:func:`kl_top1`), so the
 full ``(positions, V)`` float32 array is never held beyond one chunk.
