@@ -173,3 +173,20 @@ class RecoveryReport:
     @classmethod
     def read(cls, path: str | Path) -> "RecoveryReport":
         return cls.from_dict(json.loads(Path(path).read_text()), path)
+
+
+def read_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of a run's TensorBoard event files under ``logdir``: ``{tag: [(step, value), …]}``, sorted by step
+    (what a recovery's curves are drawn and checked from)."""
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, list] = {}
+    for f in sorted(Path(logdir).rglob("events.out.tfevents*")):
+        ea = EventAccumulator(str(f))
+        ea.Reload()
+        for tag in ea.Tags()["scalars"]:
+            out.setdefault(tag, []).extend((e.step, e.value) for e in ea.Scalars(tag))
+    return {k: sorted(v) for k, v in out.items()}
+

@@ -118,16 +118,9 @@ def _one_and_two_processes(tmp_path, common: list[str]) -> tuple[dict, dict]:
 
 
 def _scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Scalars of a run's TensorBoard event files: ``{tag: [(step, value), …]}``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from shift_lightning.reports import read_scalars
 
-    out: dict[str, list] = {}
-    for f in sorted(logdir.rglob("events.out.tfevents*")):
-        ea = EventAccumulator(str(f))
-        ea.Reload()
-        for tag in ea.Tags()["scalars"]:
-            out.setdefault(tag, []).extend((e.step, e.value) for e in ea.Scalars(tag))
-    return {k: sorted(v) for k, v in out.items()}
+    return read_scalars(logdir)
 
 
 def test_one_job_from_a_model_spec_one_and_two_processes(tmp_path):

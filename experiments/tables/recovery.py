@@ -8,6 +8,7 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
+from shift_lightning.reports import read_scalars
 from shift_lightning.outputs import write_file_atomic, write_json_atomic, write_text_atomic
 from experiments.tables.common import fmt_kl, fmt_ppl, set_label
 
@@ -133,17 +134,7 @@ def _robust_cell(r: dict | None) -> str:
     return f"{100 * r['robust']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
-def read_curves(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Scalars of one run's TensorBoard event files: ``{tag: [(step, value), …]}``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out: dict[str, list] = {}
-    for f in sorted(logdir.rglob("events.out.tfevents*")):
-        ea = EventAccumulator(str(f))
-        ea.Reload()
-        for tag in ea.Tags()["scalars"]:
-            out.setdefault(tag, []).extend((e.step, e.value) for e in ea.Scalars(tag))
-    return {k: sorted(v) for k, v in out.items()}
+read_curves = read_scalars  # the recovery tables' curves: the run's TensorBoard scalars
 
 
 def plot_curves(out: Path, cfg, labels: dict[str, str]) -> None:
