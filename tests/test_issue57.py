@@ -576,3 +576,19 @@ def test_training_checks_run_before_the_calibration(extra, match, tmp_path, monk
     line = _train_no_compute(tmp_path, monkeypatch, capsys, *extra)  # any model load fails the test
     assert match in line, line
     assert not (tmp_path / "o.calibration").exists()
+
+
+@pytest.mark.parametrize("model_args,match", [
+    ("pretrained={missing}", "Model folder not found"),
+    ("pretrained={saved},revision=v2", "--model shift does not support ['revision']"),
+    ("pretrained={saved},peft={missing}", "no such adapter folder"),
+])
+def test_the_lm_eval_entry_points_bad_arguments_are_one_line(model_args, match, saved, tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    from shift_lightning import lmeval
+
+    args = model_args.format(missing=tmp_path / "nope", saved=saved)
+    with pytest.raises(SystemExit) as e:
+        lmeval.main(["--model", "shift", "--model_args", args, "--tasks", "arc_easy", "--device", "cpu", "--limit", "1"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # (lm-eval's log handlers may hold a closed stream)
+    assert e.value.code == 2 and last.startswith("error: ") and match in last, last
