@@ -229,6 +229,8 @@ def is_shift_folder(path: str | Path) -> bool:
 def read_json(file: Path) -> dict:
     try:
         doc = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise SurgeryError(f"{file} is missing; the folder is damaged (copy it again)") from None
     except UnicodeDecodeError as e:
         raise SurgeryError(f"{file} is not UTF-8 text ({e.reason}); the folder is damaged") from e
     except json.JSONDecodeError as e:
@@ -347,9 +349,9 @@ def _load_shift_folder(path: Path, dtype, device, trust: bool = False):
     spec = read_shift_config(path)
     adapter_only = spec.weights == "adapters"
     if not adapter_only:
+        _check_against_config(path, spec)
         check_model_config(path)
         check_vocab(path, None)
-        _check_against_config(path, spec)
     weights = _read_weights(path, spec)
     if adapter_only:
         model, tokenizer = _rebuild_from_base(path, spec, dtype, trust)
