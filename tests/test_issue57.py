@@ -592,3 +592,18 @@ def test_the_lm_eval_entry_points_bad_arguments_are_one_line(model_args, match, 
         lmeval.main(["--model", "shift", "--model_args", args, "--tasks", "arc_easy", "--device", "cpu", "--limit", "1"])
     last = capsys.readouterr().err.strip().splitlines()[-1]  # (lm-eval's log handlers may hold a closed stream)
     assert e.value.code == 2 and last.startswith("error: ") and match in last, last
+
+
+@pytest.mark.parametrize("script", ["calibrate.py", "evaluate.py", "train.py"])
+def test_ctrl_c_during_the_imports_is_one_line(script):
+    code = ("import builtins, runpy\n"
+            "real = builtins.__import__\n"
+            "def imp(name, *a, **k):\n"
+            "    if name == 'shift_lightning.recipes.cli':\n"
+            "        raise KeyboardInterrupt  # Ctrl-C while torch and Lightning load\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = imp\n"
+            f"runpy.run_path({script!r}, run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("interrupted: stopped on Ctrl-C while starting")
