@@ -607,3 +607,17 @@ def test_ctrl_c_during_the_imports_is_one_line(script):
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("interrupted: stopped on Ctrl-C while starting")
+
+
+def test_a_checkpoint_with_a_tampered_shape_is_one_line(tmp_path, capsys):
+    import torch
+
+    cli.train_main(_train_args(tmp_path, "o", "--trainer.max_steps", "2"))
+    capsys.readouterr()
+    last = tmp_path / "o.ckpt" / "last.ckpt"
+    ck = torch.load(last, weights_only=True)
+    key = next(k for k, v in ck["state_dict"].items() if v.dim() == 2)
+    ck["state_dict"][key] = torch.zeros(3, 3)
+    torch.save(ck, last)
+    line = _error(cli.train_main, _train_args(tmp_path, "o", "--trainer.max_steps", "2", "--ckpt_path", "last"), capsys)
+    assert f"The checkpoint's {key} has shape (3, 3)" in line and "start afresh with --overwrite" in line
