@@ -621,3 +621,34 @@ def test_a_checkpoint_with_a_tampered_shape_is_one_line(tmp_path, capsys):
     torch.save(ck, last)
     line = _error(cli.train_main, _train_args(tmp_path, "o", "--trainer.max_steps", "2", "--ckpt_path", "last"), capsys)
     assert f"The checkpoint's {key} has shape (3, 3)" in line and "start afresh with --overwrite" in line
+
+
+def test_deeply_nested_json_data_is_one_line(tmp_path):
+    from shift_lightning.data import DataError, TextDataConfig, load_records, load_texts
+    from shift_lightning.evaluation.tasks import TaskError, load_docs
+
+    deep = "[" * 100_000 + "]" * 100_000
+    for name in ("corpus.json", "alpaca.json", "piqa.json"):
+        (tmp_path / name).write_text(deep)
+    with pytest.raises(DataError, match="nested too deeply"):
+        load_texts(str(tmp_path / "corpus.json"))
+    with pytest.raises(DataError, match="nested too deeply"):
+        load_records(str(tmp_path / "alpaca.json"))
+    with pytest.raises(TaskError, match="nested too deeply"):
+        load_docs("piqa", data_dir=str(tmp_path))
+
+
+def test_unreachable_hub_task_and_instruction_data_are_one_line(monkeypatch):
+    import datasets
+
+    from shift_lightning.data import DataError, load_records
+    from shift_lightning.evaluation.tasks import TaskError, load_docs
+
+    def offline(*a, **k):
+        raise ConnectionError("Couldn't reach the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(TaskError, match=r"Could not load task 'piqa' from the hub \(baber/piqa: ConnectionError"):
+        load_docs("piqa", source="hf")
+    with pytest.raises(DataError, match=r"Could not load hf:tatsu-lab/alpaca \(ConnectionError"):
+        load_records("hf:tatsu-lab/alpaca")
