@@ -249,18 +249,9 @@ class RecoveryModule(L.LightningModule):
                                          "metrics_before": dict(self.metrics_before)}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        keep = self.trainable_names()
-        have = set(checkpoint["state_dict"])
-        if have != keep:
-            raise ConfigError(f"The checkpoint trains {len(have)} tensors, this run {len(keep)} "
-                              f"(e.g. {sorted(have ^ keep)[:3]}): resume with the same --recovery.* settings")
-        own = self.state_dict()
-        bad = [k for k in sorted(keep) if tuple(checkpoint["state_dict"][k].shape) != tuple(own[k].shape)]
-        if bad:
-            k = bad[0]
-            raise ConfigError(f"The checkpoint's {k} has shape {tuple(checkpoint['state_dict'][k].shape)}, this run's "
-                              f"{tuple(own[k].shape)}{f' ({len(bad)} tensors differ)' if len(bad) > 1 else ''}: the "
-                              "checkpoint is damaged or of another model; start afresh with --overwrite")
+        from .resume import check_state
+
+        check_state(checkpoint["state_dict"], self.state_dict(), self.trainable_names())
         rec = checkpoint.get("shift_lightning", {})
         self.loss_history = [float(x) for x in rec.get("loss_history", [])]
         self.metrics_before = dict(rec.get("metrics_before", {}))

@@ -521,7 +521,7 @@ def _set(name, **kw):
 
 @pytest.mark.parametrize("which,damage,match", [
     ("saved", _unlink("shift_config.json"), "is a shift-lightning folder (model_type shift_llama) without its shift_config.json"),
-    ("saved", _unlink("config.json"), "config.json is missing; the folder is damaged"),
+    ("saved", _unlink("config.json"), "config.json is missing or unreadable (No such file or directory)"),
     ("hf", _unlink("config.json"), "has no config.json: it is not a model folder, or it is damaged"),
     ("saved", lambda d: (d / "tokenizer.json").write_text("{garbage"), "Could not load the tokenizer of"),
     ("hf", _set("config.json", vocab_size=100), "pad_token_id 258, bos_token_id 256, eos_token_id 257 do not fit the "
