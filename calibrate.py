@@ -6,7 +6,13 @@
     python calibrate.py --config configs/tiny.yaml --print_config
 """
 
-from shift_lightning.recipes.cli import calibrate_main
+import sys
+
+try:  # importing torch and Lightning takes seconds: Ctrl-C then is one line, not a traceback
+    from shift_lightning.recipes.cli import calibrate_main
+except KeyboardInterrupt:
+    sys.stderr.write("interrupted: stopped on Ctrl-C while starting (nothing was run)\n")
+    sys.exit(130)
 
 if __name__ == "__main__":
     calibrate_main()

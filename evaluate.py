@@ -10,7 +10,13 @@ name) and writes ``eval_results.json`` + ``eval_results.md`` into ``--output_dir
     python evaluate.py --config configs/eval_tiny.yaml --print_config
 """
 
-from shift_lightning.recipes.cli import evaluate_main
+import sys
+
+try:  # importing torch and Lightning takes seconds: Ctrl-C then is one line, not a traceback
+    from shift_lightning.recipes.cli import evaluate_main
+except KeyboardInterrupt:
+    sys.stderr.write("interrupted: stopped on Ctrl-C while starting (nothing was run)\n")
+    sys.exit(130)
 
 if __name__ == "__main__":
     evaluate_main()

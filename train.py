@@ -8,7 +8,13 @@ trained) and export the merged model.
     tensorboard --logdir runs
 """
 
-from shift_lightning.recipes.cli import train_main
+import sys
+
+try:  # importing torch and Lightning takes seconds: Ctrl-C then is one line, not a traceback
+    from shift_lightning.recipes.cli import train_main
+except KeyboardInterrupt:
+    sys.stderr.write("interrupted: stopped on Ctrl-C while starting (nothing was run)\n")
+    sys.exit(130)
 
 if __name__ == "__main__":
     train_main()

@@ -40,8 +40,7 @@ from .keptfit import KeptFitError, kept_tensors, put_kept_tensors
 from .lra import AdapterSpec, LinearResidualAdapter
 from .peers import fold_replaceme
 from .surgery import SurgeryError, adapter_set, attach_adapters, branch_maps, remove_blocks
-from .weightfiles import (check_finite, check_model_config, check_safetensors_files, check_vocab, pickles_in,
-                          refusing_pickles)
+from .weightfiles import check_finite, check_model_config, check_safetensors_files, pickles_in, refusing_pickles
 
 SHIFT_CONFIG = "shift_config.json"
 LRA_WEIGHTS = "lra.safetensors"
@@ -229,8 +228,9 @@ def is_shift_folder(path: str | Path) -> bool:
 def read_json(file: Path) -> dict:
     try:
         doc = json.loads(file.read_text())
-    except UnicodeDecodeError as e:
-        raise SurgeryError(f"{file} is not UTF-8 text ({e.reason}); the folder is damaged") from e
+    except (OSError, UnicodeDecodeError) as e:  # missing, unreadable, not text
+        raise SurgeryError(f"{file} is {'not UTF-8 text' if isinstance(e, UnicodeDecodeError) else 'missing or unreadable'} "
+                           f"({getattr(e, 'reason', None) or e.strerror}); the folder is damaged (copy it again)") from e
     except json.JSONDecodeError as e:
         raise SurgeryError(f"{file} is malformed JSON ({e.msg} at line {e.lineno}); the folder is damaged") from e
     if not isinstance(doc, dict):
@@ -245,8 +245,7 @@ def read_shift_config(path: str | Path) -> ShiftSpec:
 
 
 def _rebuild_from_base(path: Path, spec: ShiftSpec, dtype, trust: bool = False):
-    """The pruned model of an adapter-only folder: base model, blocks removed (adapters come after).
-    ``trust``: the user's own ``trust_remote_code`` flag (the record's is ignored)."""
+    """The pruned model of an adapter-only folder (``trust``: the user's own trust_remote_code flag only)."""
     from .models import ModelConfig, load_model
     from .remote_code import base_model_settings, load_tokenizer
 
@@ -341,15 +340,13 @@ def _read_weights(path: Path, spec: ShiftSpec) -> dict[str, torch.Tensor]:
 
 def _load_shift_folder(path: Path, dtype, device, trust: bool = False):
     from transformers import AutoModelForCausalLM
-
     from .remote_code import is_marked, load_tokenizer, plain_config
 
     spec = read_shift_config(path)
     adapter_only = spec.weights == "adapters"
     if not adapter_only:
-        check_model_config(path)
-        check_vocab(path, None)
         _check_against_config(path, spec)
+        check_model_config(path)
     weights = _read_weights(path, spec)
     if adapter_only:
         model, tokenizer = _rebuild_from_base(path, spec, dtype, trust)

@@ -151,8 +151,12 @@ def load_records(source: str, split: str = "calibration") -> list[dict]:
         import datasets
 
         name, _, config = source[3:].partition(":")
-        ds = datasets.load_dataset(name, config or None, split=split if split not in ("calibration",) else "train")
-        records = [dict(r) for r in ds]
+        try:
+            ds = datasets.load_dataset(name, config or None, split=split if split not in ("calibration",) else "train")
+            records = [dict(r) for r in ds]
+        except Exception as e:  # unreachable, unknown name, offline
+            raise DataError(f"Could not load {source} ({type(e).__name__}: {' '.join(str(e).split())[:200]}); check the "
+                            "dataset name and network access, or use a local .json/.jsonl file") from None
     else:
         p = Path(source).expanduser()
         if not p.is_file():
@@ -163,6 +167,8 @@ def load_records(source: str, split: str = "calibration") -> list[dict]:
                 else json.loads(text)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise DataError(f"{p}: not a UTF-8 JSON/JSONL file of Alpaca records ({e})") from e
+        except RecursionError:
+            raise DataError(f"{p}: JSON nested too deeply to be Alpaca records") from None
     bad = next((i for i, r in enumerate(records) if not isinstance(r, dict) or not isinstance(r.get("instruction"), str)
                 or not isinstance(r.get("output"), str)), None)
     if bad is not None:

@@ -65,3 +65,33 @@ def read_key(folder: Path, name: str = "calibration_key.json"):
         return json.loads((Path(folder) / name).read_text())
     except (OSError, ValueError):
         return None
+
+
+#: Files up to this size are fingerprinted by content in a published folder's marker (an edited model
+#: card is noticed); larger ones (weights) by their size.
+_HASHED_MAX = 1 << 20
+
+
+def _fingerprint(p: Path) -> str | int | None:
+    if p.is_symlink() or not p.is_file():
+        return None
+    size = p.stat().st_size
+    return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if size <= _HASHED_MAX else size
+
+
+def file_fingerprints(folder: Path, entries) -> dict:
+    """Entry -> fingerprint, for the marker of a published folder."""
+    return {e: _fingerprint(folder / e) for e in sorted(entries)}
+
+
+def edited_entries(out: Path, marker: str = ".shift_lightning.json") -> list[str]:
+    """Files of a published folder changed since they were written (e.g. a model card the user edited)."""
+    import json
+
+    try:
+        prints = json.loads((out / marker).read_text()).get("fingerprints")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(prints, dict):
+        return []
+    return sorted(e for e, f in prints.items() if f is not None and (out / e).exists() and _fingerprint(out / e) != f)

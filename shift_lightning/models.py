@@ -278,10 +278,9 @@ def _load_hf(path: str, cfg: ModelConfig):
         raise
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"Could not load a tokenizer from {path!r}: {e}") from e
-    from .weightfiles import check_finite, check_safetensors_files, check_vocab, refusing_pickles
+    from .weightfiles import check_finite, check_safetensors_files, refusing_pickles
 
     files = check_safetensors_files(path)  # cut or damaged files are named before transformers trips on them
-    check_vocab(path, tokenizer)
     with refusing_pickles(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **kw)
     check_finite(model, path, files)

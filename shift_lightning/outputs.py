@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import ShiftError
+from .fingerprints import edited_entries, file_fingerprints
 from .ownership import OWNER, abandoned_folder, claim
 
 #: The longest --output_dir name (255 bytes less the suffixes of its siblings: ``.<name>.tmp-XXXXXXXX``,
@@ -136,35 +137,6 @@ def _entries(folder: Path) -> set[str]:
     return {p.relative_to(folder).as_posix() for p in folder.rglob("*")} - {MARKER, OWNER}
 
 
-#: Files up to this size are fingerprinted in the marker (an edited model card is noticed); larger
-#: ones (weights) by their size.
-_HASHED_MAX = 1 << 20
-
-
-def _fingerprint(p: Path) -> str | int | None:
-    import hashlib
-
-    if p.is_symlink() or not p.is_file():
-        return None
-    size = p.stat().st_size
-    return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if size <= _HASHED_MAX else size
-
-
-def _fingerprints(folder: Path, entries) -> dict:
-    return {e: _fingerprint(folder / e) for e in sorted(entries)}
-
-
-def edited_entries(out: Path) -> list[str]:
-    """Files of ours that were changed since they were written (e.g. a model card the user edited)."""
-    try:
-        prints = json.loads((out / MARKER).read_text()).get("fingerprints")
-    except (OSError, ValueError, AttributeError):
-        return []
-    if not isinstance(prints, dict):
-        return []
-    return sorted(e for e, f in prints.items() if f is not None and (out / e).exists() and _fingerprint(out / e) != f)
-
-
 def foreign_entries(out: Path) -> list[str]:
     """What a folder of ours holds that this project did not write (a person added it): entries
     not listed in the marker (markers of older versions list nothing: then entries newer than
@@ -233,22 +205,9 @@ def _check_output(output_dir: str | Path | None, overwrite: bool = False,
     return out
 
 
-def _renameat2_exchange(a: Path, b: Path) -> bool:
-    """Atomically exchange two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    AT_FDCWD, RENAME_EXCHANGE = -100, 2
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    rc = fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE)
-    return rc == 0
-
-
-def _renameat2_noreplace(a: Path, b: Path) -> bool | None:
-    """Rename ``a`` to ``b`` unless ``b`` exists (Linux renameat2 RENAME_NOREPLACE): True done, False
-    ``b`` exists, None unsupported."""
+def _renameat2(a: Path, b: Path, flag: int) -> bool | None:
+    """Linux renameat2: 2 = RENAME_EXCHANGE (swap two paths atomically), 1 = RENAME_NOREPLACE (rename
+    unless ``b`` exists). True done, False ``b`` exists (NOREPLACE), None unsupported or failed."""
     import errno
 
     try:
@@ -256,11 +215,15 @@ def _renameat2_noreplace(a: Path, b: Path) -> bool | None:
         fn = libc.renameat2
     except (OSError, AttributeError):
         return None
-    AT_FDCWD, RENAME_NOREPLACE = -100, 1
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_NOREPLACE) == 0:
+    if fn(-100, os.fsencode(a), -100, os.fsencode(b), flag) == 0:  # -100: AT_FDCWD
         return True
-    return False if ctypes.get_errno() == errno.EEXIST else None
+    return False if ctypes.get_errno() == errno.EEXIST and flag == 1 else None
+
+
+def _renameat2_exchange(a: Path, b: Path) -> bool:
+    """Atomically exchange two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    return _renameat2(a, b, 2) is True
 
 
 def _identity(out: Path) -> tuple | None:
@@ -295,7 +258,7 @@ def _swap_in(tmp: Path, out: Path, expected=...) -> None:
     if expected is not ... and _identity(out) != expected:
         _conflict(tmp, out)
     if not out.exists():
-        done = _renameat2_noreplace(tmp, out)
+        done = _renameat2(tmp, out, 1)
         if done is False:  # appeared just now: another run's
             _conflict(tmp, out)
         if done is None:
@@ -353,7 +316,7 @@ def publish_dir(output_dir: str | Path, write: Callable[[Path], None], kind: str
         (tmp / MARKER).write_text(json.dumps({"written_by": "shift-lightning", "version": __version__,
                                               "kind": kind, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                               "files": sorted(_entries(tmp)),
-                                              "fingerprints": _fingerprints(tmp, _entries(tmp))}) + "\n")
+                                              "fingerprints": file_fingerprints(tmp, _entries(tmp))}) + "\n")
         _swap_in(tmp, out, expected)
         (out / OWNER).unlink(missing_ok=True)
         _AT_START[str(out.absolute())] = _identity(out)

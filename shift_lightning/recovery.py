@@ -172,11 +172,9 @@ class RecoveryModule(L.LightningModule):
                                          "metrics_before": dict(self.metrics_before)}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        keep = self.trainable_names()
-        have = set(checkpoint["state_dict"])
-        if have != keep:
-            raise ConfigError(f"The checkpoint trains {len(have)} tensors, this run {len(keep)} "
-                              f"(e.g. {sorted(have ^ keep)[:3]}): resume with the same --recovery.* settings")
+        from .resume import check_state
+
+        check_state(checkpoint["state_dict"], self.state_dict(), self.trainable_names())
         rec = checkpoint.get("shift_lightning", {})
         self.loss_history = [float(x) for x in rec.get("loss_history", [])]
         self.metrics_before = dict(rec.get("metrics_before", {}))

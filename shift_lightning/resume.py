@@ -106,6 +106,20 @@ def check_run(checkpoint: dict, path: str | Path, settings: dict[str, Any]) -> N
                       "resuming would mix two runs. Resume with that run's settings, or start afresh with --overwrite")
 
 
+def check_state(saved: dict, own: dict, keep: set[str]) -> None:
+    """A checkpoint holds the tensors this run trains (``keep``), with this run's shapes (a tampered or
+    foreign one is named, not a traceback)."""
+    if set(saved) != keep:
+        raise ConfigError(f"The checkpoint trains {len(saved)} tensors, this run {len(keep)} "
+                          f"(e.g. {sorted(set(saved) ^ keep)[:3]}): resume with the same --recovery.* settings")
+    bad = [k for k in sorted(saved) if k in own and tuple(saved[k].shape) != tuple(own[k].shape)]
+    if bad:
+        k = bad[0]
+        raise ConfigError(f"The checkpoint's {k} has shape {tuple(saved[k].shape)}, this run's {tuple(own[k].shape)}"
+                          f"{f' ({len(bad)} tensors differ)' if len(bad) > 1 else ''}: the checkpoint is damaged or of "
+                          "another model; start afresh with --overwrite")
+
+
 def resolve_resume(ckpt_path: str | None, ckpt_dir: Path | None) -> Path | None:
     """The checkpoint to resume: ``last`` is ``<ckpt_dir>/last.ckpt`` (``None`` with a warning when
     there is none yet: the run starts at step 0), else the file given."""

@@ -120,6 +120,8 @@ def _loads(text: str, where: str):
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"{where} is malformed JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        raise DataError(f"{where} is JSON nested too deeply to be data (thousands of levels); check the file") from None
 
 
 def _read_file(p: Path, field: str) -> list[str]:

@@ -159,9 +159,10 @@ def check_model_config(folder: str | Path) -> None:
     if base not in CONFIG_MAPPING and (base != mt or "auto_map" not in doc):
         raise ModelLoadError(f"{cfg}: model_type {mt!r} is not one this transformers knows; check the folder, or "
                              "upgrade transformers")
+    check_vocab(folder)
 
 
-def check_vocab(folder: str | Path, tokenizer) -> None:
+def check_vocab(folder: str | Path) -> None:
     """The special token ids of ``config.json`` fit the model's vocabulary (a damaged or mismatched config
     would otherwise fail inside the model's construction)."""
     try:

@@ -521,7 +521,7 @@ def _set(name, **kw):
 
 @pytest.mark.parametrize("which,damage,match", [
     ("saved", _unlink("shift_config.json"), "is a shift-lightning folder (model_type shift_llama) without its shift_config.json"),
-    ("saved", _unlink("config.json"), "has no config.json: it is not a model folder, or it is damaged"),
+    ("saved", _unlink("config.json"), "config.json is missing or unreadable (No such file or directory)"),
     ("hf", _unlink("config.json"), "has no config.json: it is not a model folder, or it is damaged"),
     ("saved", lambda d: (d / "tokenizer.json").write_text("{garbage"), "Could not load the tokenizer of"),
     ("hf", _set("config.json", vocab_size=100), "pad_token_id 258, bos_token_id 256, eos_token_id 257 do not fit the "
@@ -576,3 +576,79 @@ def test_training_checks_run_before_the_calibration(extra, match, tmp_path, monk
     line = _train_no_compute(tmp_path, monkeypatch, capsys, *extra)  # any model load fails the test
     assert match in line, line
     assert not (tmp_path / "o.calibration").exists()
+
+
+@pytest.mark.parametrize("model_args,match", [
+    ("pretrained={missing}", "Model folder not found"),
+    ("pretrained={saved},revision=v2", "--model shift does not support ['revision']"),
+    ("pretrained={saved},peft={missing}", "no such adapter folder"),
+])
+def test_the_lm_eval_entry_points_bad_arguments_are_one_line(model_args, match, saved, tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    from shift_lightning import lmeval
+
+    args = model_args.format(missing=tmp_path / "nope", saved=saved)
+    with pytest.raises(SystemExit) as e:
+        lmeval.main(["--model", "shift", "--model_args", args, "--tasks", "arc_easy", "--device", "cpu", "--limit", "1"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # (lm-eval's log handlers may hold a closed stream)
+    assert e.value.code == 2 and last.startswith("error: ") and match in last, last
+
+
+@pytest.mark.parametrize("script", ["calibrate.py", "evaluate.py", "train.py"])
+def test_ctrl_c_during_the_imports_is_one_line(script):
+    code = ("import builtins, runpy\n"
+            "real = builtins.__import__\n"
+            "def imp(name, *a, **k):\n"
+            "    if name == 'shift_lightning.recipes.cli':\n"
+            "        raise KeyboardInterrupt  # Ctrl-C while torch and Lightning load\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = imp\n"
+            f"runpy.run_path({script!r}, run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("interrupted: stopped on Ctrl-C while starting")
+
+
+def test_a_checkpoint_with_a_tampered_shape_is_one_line(tmp_path, capsys):
+    import torch
+
+    cli.train_main(_train_args(tmp_path, "o", "--trainer.max_steps", "2"))
+    capsys.readouterr()
+    last = tmp_path / "o.ckpt" / "last.ckpt"
+    ck = torch.load(last, weights_only=True)
+    key = next(k for k, v in ck["state_dict"].items() if v.dim() == 2)
+    ck["state_dict"][key] = torch.zeros(3, 3)
+    torch.save(ck, last)
+    line = _error(cli.train_main, _train_args(tmp_path, "o", "--trainer.max_steps", "2", "--ckpt_path", "last"), capsys)
+    assert f"The checkpoint's {key} has shape (3, 3)" in line and "start afresh with --overwrite" in line
+
+
+def test_deeply_nested_json_data_is_one_line(tmp_path):
+    from shift_lightning.data import DataError, TextDataConfig, load_records, load_texts
+    from shift_lightning.evaluation.tasks import TaskError, load_docs
+
+    deep = "[" * 100_000 + "]" * 100_000
+    for name in ("corpus.json", "alpaca.json", "piqa.json"):
+        (tmp_path / name).write_text(deep)
+    with pytest.raises(DataError, match="nested too deeply"):
+        load_texts(str(tmp_path / "corpus.json"))
+    with pytest.raises(DataError, match="nested too deeply"):
+        load_records(str(tmp_path / "alpaca.json"))
+    with pytest.raises(TaskError, match="nested too deeply"):
+        load_docs("piqa", data_dir=str(tmp_path))
+
+
+def test_unreachable_hub_task_and_instruction_data_are_one_line(monkeypatch):
+    import datasets
+
+    from shift_lightning.data import DataError, load_records
+    from shift_lightning.evaluation.tasks import TaskError, load_docs
+
+    def offline(*a, **k):
+        raise ConnectionError("Couldn't reach the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(TaskError, match=r"Could not load task 'piqa' from the hub \(baber/piqa: ConnectionError"):
+        load_docs("piqa", source="hf")
+    with pytest.raises(DataError, match=r"Could not load hf:tatsu-lab/alpaca \(ConnectionError"):
+        load_records("hf:tatsu-lab/alpaca")

