@@ -322,7 +322,7 @@ def test_a_non_finite_evaluation_result_is_an_error_not_exit_0(tmp_path, monkeyp
 
 def _train_args(tmp_path, name, *extra):
     return ["--config", "tiny_lora.yaml", "--output_dir", str(tmp_path / name), "--zeroshot.tasks", "",
-            "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *extra]
+            "--trainer.logger.save_dir", str(tmp_path / "runs"), *extra]
 
 
 def test_a_diverged_training_exports_nothing_and_exits_2(tmp_path, capsys):
