@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.tiny_runs
 def test_headline_and_gpu_scripts_tiny_cpu_mode(tmp_path):
     """``headline_gpu.sh --tiny``: the headline job (train.py with llama8b_lora.yaml on a tiny random
     shape: selection, calibration, LoRA + trained LRAs, validation and zero-shot at step 0 and at the

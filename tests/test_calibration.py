@@ -370,7 +370,7 @@ EXTRA = pytest.mark.ddp_extra
     ["--prune.layers", "[0, 2, 3]"],  # the default joint map: a span with a branch before it, one without
     ["--calibration.solver", "lra", "--calibration.mode", "sequential", "--calibration.rank", "8", "--prune.layers", "null",
      "--prune.criterion", "angular", "--prune.ratio", "0.5"],  # data-driven selection under DDP too
-    ["--calibration.mode", "auto", "--prune.layers", "[1, 3, 4]"],  # the joint map's fits judged on held-out windows
+    pytest.param(["--calibration.mode", "auto", "--prune.layers", "[1, 3, 4]"], marks=EXTRA),  # fits judged held out
     pytest.param([], marks=EXTRA),
     pytest.param(["--calibration.solver", "lra", "--calibration.mode", "anchored", "--calibration.granularity", "block",
                   "--prune.layers", "[1, 3, 4]"], marks=EXTRA),
@@ -394,6 +394,7 @@ def test_ddp_two_processes_match_one(tmp_path, extra):
         assert ((w1[k] - w2[k]).norm() / w1[k].norm().clamp_min(1e-12)).item() < 1e-6, k
 
 
+@pytest.mark.ddp_extra
 def test_ddp_guard_and_cosine_and_linear_fit_match_one_process(tmp_path):
     """The KL guard (a judge pass with one all-reduce per span), ReplaceMe's cosine fit (activations
     gathered in window order) and the linear_fit / linear_fit_kl criteria: 2 processes give what 1 gives."""
@@ -459,6 +460,7 @@ def test_pipeline_evaluates_original_pruned_and_corrected(tmp_path):
     assert "## Evaluation" in (tmp_path / "o" / "calibration_report.md").read_text()
 
 
+@pytest.mark.ddp_extra
 def test_ddp_kept_block_refit_matches_one_process(tmp_path):
     """``--calibration.refit_kept``: the windows are shared out over the ranks (each fitted once: the token count
     is one process's) and the statistics and scores summed, so 2 processes give what 1 gives — the held-out

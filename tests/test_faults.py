@@ -470,7 +470,8 @@ def test_rank1_exits_when_rank0_is_killed(tmp_path, when):
             os.killpg(p.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.ddp_extra)],
+                         ids=["ctrl_c", "sigterm"])
 def test_ctrl_c_to_the_process_group_ends_every_rank_of_a_ddp_training(tmp_path, sig):
     """Ctrl-C in the terminal (or SIGTERM from a scheduler) reaches every rank: all exit, promptly, with
     a stop checkpoint that resumes (Lightning's own SIGTERM handling would hang the ranks)."""
