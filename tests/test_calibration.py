@@ -362,8 +362,8 @@ def _cli(*args, world=1, env_extra=None):
     return r
 
 
-#: Representative cases run by ``make test``; the others (``-m ddp_extra``) cover each mode of each solver.
-EXTRA = pytest.mark.ddp_extra
+#: Representative cases run by ``make test``; the others (``-m extended``) cover each mode of each solver.
+EXTRA = pytest.mark.extended
 
 
 @pytest.mark.parametrize("extra", [
@@ -394,7 +394,7 @@ def test_ddp_two_processes_match_one(tmp_path, extra):
         assert ((w1[k] - w2[k]).norm() / w1[k].norm().clamp_min(1e-12)).item() < 1e-6, k
 
 
-@pytest.mark.ddp_extra
+@pytest.mark.extended
 def test_ddp_guard_and_cosine_and_linear_fit_match_one_process(tmp_path):
     """The KL guard (a judge pass with one all-reduce per span), ReplaceMe's cosine fit (activations
     gathered in window order) and the linear_fit / linear_fit_kl criteria: 2 processes give what 1 gives."""
@@ -460,7 +460,7 @@ def test_pipeline_evaluates_original_pruned_and_corrected(tmp_path):
     assert "## Evaluation" in (tmp_path / "o" / "calibration_report.md").read_text()
 
 
-@pytest.mark.ddp_extra
+@pytest.mark.extended
 def test_ddp_kept_block_refit_matches_one_process(tmp_path):
     """``--calibration.refit_kept``: the windows are shared out over the ranks (each fitted once: the token count
     is one process's) and the statistics and scores summed, so 2 processes give what 1 gives — the held-out

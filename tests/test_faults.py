@@ -446,7 +446,7 @@ def _sockets(pid: int) -> int:
     return n
 
 
-@pytest.mark.parametrize("when", ["starting", "guarded"])
+@pytest.mark.parametrize("when", ["starting", pytest.param("guarded", marks=pytest.mark.extended)])
 def test_rank1_exits_when_rank0_is_killed(tmp_path, when):
     """SIGKILL of rank 0 as soon as rank 1 exists (it is still importing: it finds its launcher gone
     when it starts) or once rank 1 runs guarded (its watch thread sees the launcher go)."""
@@ -470,7 +470,7 @@ def test_rank1_exits_when_rank0_is_killed(tmp_path, when):
             os.killpg(p.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.ddp_extra)],
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.extended)],
                          ids=["ctrl_c", "sigterm"])
 def test_ctrl_c_to_the_process_group_ends_every_rank_of_a_ddp_training(tmp_path, sig):
     """Ctrl-C in the terminal (or SIGTERM from a scheduler) reaches every rank: all exit, promptly, with

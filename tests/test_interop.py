@@ -138,6 +138,7 @@ def test_a_folder_without_adapters_stays_a_stock_hf_folder(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # lm-evaluation-harness: --model shift == evaluate.py
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.extended
 def test_lm_eval_shift_model_scores_like_evaluate_py(tmp_path):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager

@@ -580,8 +580,8 @@ def test_training_checks_run_before_the_calibration(extra, match, tmp_path, monk
 
 @pytest.mark.parametrize("model_args,match", [
     ("pretrained={missing}", "Model folder not found"),
-    ("pretrained={saved},revision=v2", "--model shift does not support ['revision']"),
-    ("pretrained={saved},peft={missing}", "no such adapter folder"),
+    pytest.param("pretrained={saved},revision=v2", "--model shift does not support ['revision']", marks=pytest.mark.extended),
+    pytest.param("pretrained={saved},peft={missing}", "no such adapter folder", marks=pytest.mark.extended),
 ])
 def test_the_lm_eval_entry_points_bad_arguments_are_one_line(model_args, match, saved, tmp_path, capsys):
     pytest.importorskip("lm_eval")

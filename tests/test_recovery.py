@@ -317,7 +317,7 @@ def test_distillation_without_the_original_is_refused(calibrated):
         RecoveryConfig(loss="mse").validate()
 
 
-@pytest.mark.ddp_extra
+@pytest.mark.extended
 def test_distillation_on_one_and_two_processes_records_what_each_rank_reads(tmp_path):
     """``loss: kd`` under DDP: each rank records the original's distributions on the windows it will read
     (StepBatchSampler's stream) and 2 ranks of half the batch follow 1 process's loss trajectory."""

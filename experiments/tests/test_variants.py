@@ -145,3 +145,36 @@ def test_the_spelling_a_retired_name_is_told_is_the_grids_variant():
         got = parser.instantiate_classes(parser.parse_args(argv)).calibration
         want = CalibrationConfig(**variants.VARIANTS[name])
         assert got == want, name
+
+
+@pytest.mark.slow
+def test_stored_grid_rows_come_back_from_the_new_spelling_on_the_real_model():
+    """SmolLM2-135M, Reverse-order* (blocks 22–28), mixed calibration text: the per-span calibration and held-out
+    errors the grid stored for ``lra_span`` and ``lra_replaceme`` (one pass) and ``lra_anchored`` (its walk) are
+    fitted again from the variants' spelling (``results/paper_mixed``; float64 sums on CPU, to 1e-6)."""
+    from experiments.reproduce import _site_errors
+    from shift_lightning.data import TextDataConfig, build_windows
+    from shift_lightning.models import ModelConfig, load_model
+
+    root = Path(__file__).resolve().parents[2] / "results" / "paper_mixed" / "smollm2-135m" / "reverse_star"
+    stored = {v: json.loads((root / f"{v}.json").read_text()) for v in ("lra_span", "lra_replaceme", "lra_anchored")}
+    layers = stored["lra_span"]["pruned_layers"]
+    model, tok = load_model(ModelConfig(name_or_path="smollm2-135m"))
+    cfg = stored["lra_span"]["config"]
+    windows = build_windows(TextDataConfig(source=cfg["calib_source"], split="calibration", num_samples=cfg["calib_samples"],
+                                           seq_len=cfg["seq_len"]), tok, model.config.model_type)
+    heldout = build_windows(TextDataConfig(source=cfg["text_source"], split="heldout", num_samples=cfg["heldout_samples"],
+                                           seq_len=cfg["seq_len"]), tok, model.config.model_type)
+    base = CalibrationConfig(damping=cfg["damping"], heldout_every=cfg["heldout_every"])
+    for mode, names in (("independent", ["lra_span", "lra_replaceme"]), ("anchored", ["lra_anchored"])):
+        mod = CalibrationModule(model, layers, CalibrationConfig(**{**base.__dict__, "mode": mode}),
+                                solvers=variants.knobs(names))
+        mod.calibrate(R.trainer(), windows, heldout, batch_size=4)
+        for name in names:
+            got, want = _site_errors(mod, name), stored[name]["sites"]
+            assert [g["blocks"] for g in got] == [w["blocks"] for w in want] and [g["map"] for g in got] == \
+                [w["map"] for w in want], name
+            for g, w in zip(got, want):
+                for key in ("calib_rel_error", "heldout_rel_error"):
+                    if w[key] is not None:
+                        assert g[key] == pytest.approx(w[key], rel=1e-6), (name, key)
