@@ -33,7 +33,7 @@ from torch import nn
 from shift_lightning import assets
 from shift_lightning.arch import decoder_layers
 from shift_lightning.data import TextDataConfig, TokenWindows, build_windows
-from shift_lightning.errors import ConfigError
+from shift_lightning.errors import ConfigError, DataError
 from shift_lightning.evaluation.runner import EvalConfig, Evaluator, evaluate_model, make_evaluator, record_reference
 from experiments.trunk import TrunkCache
 from shift_lightning.models import ModelConfig
@@ -125,7 +125,7 @@ class RunFolder:
         return [n for n in names if not self.done(n)]
 
     def read(self, name: str) -> dict:
-        return json.loads(self.path(name).read_text())
+        return read_run(self.path(name))
 
     def write(self, name: str, doc: dict) -> None:
         write_json_atomic(self.path(name), doc)
@@ -135,8 +135,22 @@ class RunFolder:
         out = {}
         for f in sorted(self.folder.glob(pattern)):
             if f.name not in skip:
-                out[str(f.relative_to(self.folder).with_suffix(""))] = json.loads(f.read_text())
+                out[str(f.relative_to(self.folder).with_suffix(""))] = read_run(f)
         return out
+
+
+def read_run(path: Path) -> dict:
+    """A run file's document; a damaged one (cut short, not JSON, not an object) is one line naming the file and the
+    fix, not a traceback in the middle of a grid."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"Run file {path} is damaged ({type(e).__name__}: {e}); delete it and run the grid again "
+                        "to redo that cell (finished cells are kept)") from None
+    if not isinstance(doc, dict):
+        raise DataError(f"Run file {path} holds a {type(doc).__name__}, not a run's JSON object; delete it and run "
+                        "the grid again to redo that cell")
+    return doc
 
 
 # ---------------------------------------------------------------------------------------------

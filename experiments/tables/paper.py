@@ -14,6 +14,7 @@ import os
 import shlex
 from pathlib import Path
 
+from experiments.harness import read_run
 from experiments.variants import LABELS as VARIANT_LABELS, solver_of
 from shift_lightning.outputs import write_file_atomic, write_json_atomic, write_text_atomic
 from experiments.tables.common import TASK_LABELS, blocks_label, fmt_ci, fmt_diff, fmt_kl, fmt_ppl, set_label
@@ -40,11 +41,11 @@ def load_runs(folder: Path) -> dict[tuple, dict]:
     """``(criterion, variant) -> run`` (the original as ``(None, "original")``)."""
     runs = {}
     if (folder / "original.json").exists():
-        runs[(None, "original")] = json.loads((folder / "original.json").read_text())
+        runs[(None, "original")] = read_run(folder / "original.json")
     for f in sorted(folder.glob("*/*.json")):
         if f.name == "selection.json":
             continue
-        d = json.loads(f.read_text())
+        d = read_run(f)
         runs[(d["criterion"], d["variant"])] = d
     return runs
 

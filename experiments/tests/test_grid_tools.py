@@ -208,3 +208,17 @@ def test_reproduce_with_a_missing_model_leaves_no_folder(tmp_path, capsys):
 
     line = _error(reproduce.main, ["--model", "./no/such/model", "--out", str(tmp_path / "p")], capsys)
     assert "Model folder not found" in line and not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("content", ['{"criterion": "ppl", "variant"', "[1, 2]", "\xff\xfe"])
+def test_a_damaged_grid_run_file_is_one_line_naming_it(tmp_path, capsys, content):
+    """A run file cut short (a full disk, a killed copy), not an object, or not text: the grid and its renderer say
+    which file and how to redo that cell, in one line and exit 2, instead of a JSON traceback."""
+    from experiments import reproduce
+
+    folder = tmp_path / "grid" / "tiny" / "ppl"
+    folder.mkdir(parents=True)
+    bad = folder / "lra.json"
+    bad.write_bytes(content.encode("latin-1"))
+    line = _error(reproduce.main, ["--render_only", "--out", str(tmp_path / "grid"), "--model", "tiny"], capsys)
+    assert f"Run file {bad} " in line and "delete it and run the grid again" in line
