@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from test_faults import _error  # the one error line of a refused run (exit 2, no traceback)
+
 from shift_lightning.recipes import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,15 +54,6 @@ def _calibrate(out: Path, model=None, save_model=True) -> Path:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     return _calibrate(tmp_path_factory.mktemp("saved") / "cal")
-
-
-def _error(main, argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2, err
-    assert err.startswith("error: ") and "Traceback" not in err, err
-    return err.splitlines()[0]
 
 
 def _edit_json(path: Path, change) -> None:
