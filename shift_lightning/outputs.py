@@ -99,7 +99,7 @@ def recover_leftovers(out: Path) -> list[str]:
     return done
 
 
-def _check_writable(path: Path, fix: str) -> None:
+def check_writable(path: Path, fix: str) -> None:
     """Write (then delete) a probe file in the nearest existing folder above ``path``: a read-only
     file system, missing permissions or a parent that is a file fail here, before any compute.
     No folder is created (a run that fails later leaves nothing behind)."""
@@ -181,7 +181,7 @@ def _check_output(output_dir: str | Path | None, overwrite: bool = False,
     if out.exists() and not out.is_dir():
         raise OutputError(f"--output_dir {out} is a file, not a folder; choose another --output_dir")
     check_not_input(out, inputs)
-    _check_writable(out, "choose a writable --output_dir")
+    check_writable(out, "choose a writable --output_dir")
     recover_leftovers(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -355,7 +355,7 @@ def prepare_file(path: str | Path) -> Path:
     path = Path(path).expanduser()
     if path.is_dir():
         raise OutputError(f"{path} is a folder; name a file for the results")
-    _check_writable(path, "choose a writable location")
+    check_writable(path, "choose a writable location")
     return path
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import ConfigError
@@ -110,6 +111,10 @@ class RecoveryTrainerConfig(TrainerConfig):
         if self.logger.save_dir is not None:
             from lightning.pytorch.loggers import TensorBoardLogger
 
+            from ..outputs import check_writable
+
+            check_writable(Path(self.logger.save_dir) / self.logger.name,  # a read-only working folder: before compute
+                           "choose a writable --trainer.logger.save_dir, or null for no TensorBoard logs")
             kw["logger"] = TensorBoardLogger(save_dir=self.logger.save_dir, name=self.logger.name)
         return kw
 
