@@ -647,18 +647,18 @@ def test_unreachable_hub_task_and_instruction_data_are_one_line(monkeypatch):
         load_records("hf:tatsu-lab/alpaca")
 
 
-def test_a_read_only_working_folder_is_one_line_before_any_compute(tmp_path, capsys, monkeypatch):
+def test_a_read_only_working_folder_is_one_line_before_any_compute(tmp_path, capsys):
     """``train.py`` run from a read-only folder: the TensorBoard logs (``runs/`` there by default) cannot be written.
     One line naming the option, before any compute, instead of a traceback from inside Lightning. (Root ignores
     permissions, so the folder is a read-only bind mount; skipped where mounting is not allowed.)"""
-    ro = tmp_path / "ro"
+    ro, here = tmp_path / "ro", os.getcwd()
     ro.mkdir()
     if subprocess.run(["mount", "--bind", str(ro), str(ro)], capture_output=True).returncode != 0:
         pytest.skip("a read-only folder needs a bind mount here (root ignores permissions)")
     try:
         if subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], capture_output=True).returncode != 0:
             pytest.skip("cannot remount read-only")
-        monkeypatch.chdir(ro)
+        os.chdir(ro)
         data = ROOT / "tests" / "data"
         line = _error(cli.train_main, ["--config", str(ROOT / "configs" / "tiny_lora.yaml"),
                                        "--data.source", str(data / "tiny_corpus.txt"),
@@ -667,4 +667,5 @@ def test_a_read_only_working_folder_is_one_line_before_any_compute(tmp_path, cap
         assert "Cannot write next to runs/recovery (Read-only file system)" in line, line
         assert "--trainer.logger.save_dir" in line and not (tmp_path / "o").exists()
     finally:
-        subprocess.run(["umount", str(ro)], capture_output=True)
+        os.chdir(here)  # out of the mount first: a busy mount cannot be unmounted
+        assert subprocess.run(["umount", str(ro)], capture_output=True).returncode == 0
