@@ -303,12 +303,41 @@ def corrected(model: nn.Module, correction, num_layers: int, removed: list[int])
         return
     blocks = decoder_layers(model)
     saved = {j: b.mlp.down_proj.weight.detach().clone() for j, b in enumerate(blocks)
-             if correction.branch_maps and hasattr(b, "mlp")}
+             if (correction.branch_maps or correction.down_maps) and hasattr(b, "mlp")}
+    stock = _stock_state(model) if (correction.down_maps or correction.embedding is not None) else None
     apply_correction(model, correction, num_layers, removed)
     try:
         yield model
     finally:
         detach_adapters(model)
-        if correction.branch_maps:
+        if correction.branch_maps or correction.down_maps:
             for j, block in enumerate(decoder_layers(model)):
                 unfold_replaceme(block, saved.get(j))
+        if stock is not None:
+            _restore_stock(model, stock)
+
+
+def _stock_state(model: nn.Module) -> dict:
+    """What the stock repair's folds change besides ``down_proj`` weights: MLP biases (added), the embedding
+    table, a tied head (untied) and the two config flags."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return {"emb": emb.weight, "head": head.weight if head is not None else None,
+            "mlp_bias": getattr(model.config, "mlp_bias", None), "tie": model.config.tie_word_embeddings,
+            "biases": {(j, n): (bias, None if bias is None else bias.detach().clone())
+                       for j, b in enumerate(decoder_layers(model)) for n in ("gate_proj", "up_proj", "down_proj")
+                       for bias in [getattr(b.mlp, n).bias]}}
+
+
+def _restore_stock(model: nn.Module, st: dict) -> None:
+    """Undo :func:`_stock_state`'s changes exactly (the original parameter objects are put back)."""
+    model.get_input_embeddings().weight = st["emb"]
+    if st["head"] is not None:
+        model.get_output_embeddings().weight = st["head"]
+    model.config.tie_word_embeddings = st["tie"]
+    if st["mlp_bias"] is not None:
+        model.config.mlp_bias = st["mlp_bias"]
+    for (j, n), (bias, value) in st["biases"].items():
+        if bias is not None:
+            with torch.no_grad():
+                bias.copy_(value)
+        getattr(decoder_layers(model)[j].mlp, n).bias = bias

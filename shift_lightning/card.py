@@ -270,9 +270,26 @@ def model_card(spec: dict, model: nn.Module | None, facts: CardFacts | None = No
                 "Without `trust_remote_code=True` transformers refuses the folder: loaded as a stock model it would "
                 "lack its adapters.", ""]
     out += ["lm-evaluation-harness: `python -m shift_lightning.lmeval --model shift --model_args "
-            "pretrained=<this folder> --tasks arc_easy`", "", "## License", "",
+            "pretrained=<this folder> --tasks arc_easy`", "", "## Runs in", "", runtimes(spec, model, loads_remotely), "",
+            "## License", "",
             f"Inherited from the base model: `{base.license}`." + (f" Note: {base.note}." if base.note else ""), ""]
     return "\n".join(out)
+
+
+def runtimes(spec: dict, model, loads_remotely: bool) -> str:
+    """Which runtimes can run the folder (the card's "Runs in")."""
+    family = getattr(getattr(model, "config", None), "model_type", "its family's")
+    if spec.get("weights") == "adapters":
+        return ("`shift_lightning.load_pretrained` only: this folder holds the maps, not the model's weights (it "
+                "rebuilds them from the base model it names).")
+    if loads_remotely:
+        return ("`shift_lightning.load_pretrained`, and transformers with `trust_remote_code=True`. Not llama.cpp or "
+                "vLLM: its adapters act on the residual stream, which no weight of a stock model can carry. For a "
+                "folder stock runtimes run, calibrate with `--calibration.solver stock` (Llama-layout families).")
+    return (f"A plain `{family}` folder (no custom code): `AutoModelForCausalLM.from_pretrained(\"<this folder>\")` "
+            "gives the same logits as `shift_lightning.load_pretrained`; `python -m shift_lightning.recipes.gguf "
+            "--model <this folder> --out model.gguf --outtype q8_0` writes a GGUF for llama.cpp (tested on "
+            "Llama-layout folders); vLLM loads folders of this layout (not tested by shift-lightning).")
 
 
 def peft_card(adapter_config: dict, base_dir: str, spec: dict, facts: CardFacts | None = None) -> str:

@@ -27,9 +27,8 @@ tiny random config). Nothing is unpickled or executed (safetensors + JSON; a fol
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -39,95 +38,9 @@ from .card import CardFacts, model_card
 from .keptfit import KeptFitError, kept_tensors, put_kept_tensors
 from .lra import AdapterSpec, LinearResidualAdapter
 from .peers import fold_replaceme
-from .surgery import SurgeryError, adapter_set, attach_adapters, branch_maps, remove_blocks
+from .surgery import SurgeryError, adapter_set, attach_adapters, branch_maps, fold_down, fold_embedding, remove_blocks
+from .record import FORMAT_VERSION, LRA_WEIGHTS, SHIFT_CONFIG, ShiftSpec  # noqa: F401  (re-exported)
 from .weightfiles import check_finite, check_model_config, check_safetensors_files, pickles_in, refusing_pickles
-
-SHIFT_CONFIG = "shift_config.json"
-LRA_WEIGHTS = "lra.safetensors"
-FORMAT_VERSION = 1
-
-
-# --------------------------------------------------------------------------------------------
-# The record
-# --------------------------------------------------------------------------------------------
-@dataclass
-class ShiftSpec:
-    """``shift_config.json``: what was pruned and how it was corrected (validated in :meth:`from_dict`)."""
-
-    original_num_layers: int
-    """Depth of the unpruned model."""
-    pruned_layers: list[int]
-    """Original indices of the removed blocks."""
-    base_model: Any = None
-    """The unpruned model: its name (full folders) or its ``ModelConfig`` fields (adapter-only folders)."""
-    criterion: str | None = None
-    """How the blocks were chosen."""
-    correction: str | None = None
-    """The calibration solver that fitted the maps (``lra``, ``guarded``, …) or ``none``."""
-    adapters: list[dict] = field(default_factory=list)
-    """``{"position": p, "chain": [AdapterSpec dicts]}``: the adapter entering pruned block ``p``."""
-    branch_maps: list[dict] = field(default_factory=list)
-    """``{"block": i, "after": "post_feedforward_layernorm" | "down_proj"}``: ReplaceMe maps by pruned block."""
-    weights: Literal["full", "adapters"] = "full"
-    """``adapters``: the folder holds no model weights (the base model is rebuilt)."""
-    refit_blocks: list[int] | None = None
-    """Pruned positions of kept blocks whose linear layers were re-fitted (``--calibration.refit_kept``); an
-    adapter-only folder stores their weights in ``lra.safetensors`` as ``kept.<position>.<layer>.weight``."""
-    recovered: bool | None = None
-    recovery_steps: int | None = None
-    format_version: int = FORMAT_VERSION
-    extra: dict = field(default_factory=dict)
-    """Anything else the writer recorded."""
-
-    def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        if out["weights"] == "full":
-            del out["weights"]
-        return {**self.extra, **{k: v for k, v in out.items() if v is not None}}
-
-    @classmethod
-    def from_dict(cls, doc: dict, source: str | Path = SHIFT_CONFIG) -> "ShiftSpec":
-        """Validated record; :class:`~shift_lightning.surgery.SurgeryError` names ``source`` otherwise."""
-        if not isinstance(doc, dict):
-            raise SurgeryError(f"{source} must hold a JSON object")
-        if doc.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
-            raise SurgeryError(f"{source}: unsupported format_version {doc.get('format_version')!r} "
-                               f"(expected {FORMAT_VERSION})")
-        n, pruned = doc.get("original_num_layers"), doc.get("pruned_layers")
-        if not isinstance(n, int) or n < 1 or not isinstance(pruned, list)\
-                or not all(isinstance(i, int) and 0 <= i < n for i in pruned) or len(set(pruned)) != len(pruned):
-            raise SurgeryError(f"{source}: original_num_layers / pruned_layers are missing or inconsistent "
-                               f"({n!r}, {pruned!r})")
-        adapters = doc.get("adapters", [])
-        if not isinstance(adapters, list) or not all(isinstance(a, dict) and isinstance(a.get("position"), int)
-                                                     and isinstance(a.get("chain"), list) and a["chain"]
-                                                     for a in adapters):
-            raise SurgeryError(f"{source}: 'adapters' must be a list of {{position, chain}} entries")
-        positions = [a["position"] for a in adapters]
-        if len(set(positions)) != len(positions):
-            raise SurgeryError(f"{source}: duplicate adapter positions {sorted(positions)}")
-        branches = doc.get("branch_maps", [])
-        if not isinstance(branches, list) or not all(isinstance(b, dict) and isinstance(b.get("block"), int)
-                                                     for b in branches):
-            raise SurgeryError(f"{source}: 'branch_maps' must be a list of {{block, after}} entries")
-        weights = doc.get("weights", "full")
-        if weights not in ("full", "adapters"):
-            raise SurgeryError(f"{source}: 'weights' must be 'full' or 'adapters', got {weights!r}")
-        if weights == "adapters" and not isinstance(doc.get("base_model"), dict):
-            raise SurgeryError(f"{source}: an adapter-only folder must name its base_model")
-        refit = doc.get("refit_blocks")
-        if refit is not None and (not isinstance(refit, list) or len(set(refit)) != len(refit) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n - len(pruned) for i in refit)):
-            raise SurgeryError(f"{source}: 'refit_blocks' must list distinct positions of the pruned model's "
-                               f"{n - len(pruned)} blocks, got {refit!r}")
-        known = {f.name for f in fields(cls)} - {"extra"}
-        return cls(**{k: doc[k] for k in known if k in doc},
-                   extra={k: v for k, v in doc.items() if k not in known})
-
-    @property
-    def num_layers(self) -> int:
-        """Depth of the pruned model."""
-        return self.original_num_layers - len(self.pruned_layers)
 
 
 def _adapter_entries(model: nn.Module) -> tuple[list[dict], dict[str, torch.Tensor]]:
@@ -188,11 +101,13 @@ def save_pretrained(model: nn.Module, tokenizer, out_dir: str | Path, spec: Shif
 
 
 def save_adapters(model: nn.Module, tokenizer, out_dir: str | Path, spec: ShiftSpec | dict, base_model: dict,
-                  maps: dict[int, torch.Tensor] | None = None, card: CardFacts | None = None) -> Path:
+                  maps: dict[int, torch.Tensor] | None = None, card: CardFacts | None = None,
+                  down: dict[int, tuple] | None = None, embedding: tuple | None = None) -> Path:
     """Write an *adapter-only* folder: ``shift_config.json`` (with the base model's
     :class:`~shift_lightning.models.ModelConfig` as ``base_model``), ``lra.safetensors`` and the
-    tokenizer, but no model weights; ``maps``: ReplaceMe's ``T`` by pruned block index.
-    Megabytes instead of the model's gigabytes."""
+    tokenizer, but no model weights; ``maps``: ReplaceMe's ``T`` by pruned block index; ``down`` /
+    ``embedding``: the stock repair's ``(W, b)`` updates (by pruned block index). Megabytes instead of the
+    model's gigabytes."""
     from safetensors.torch import save_file
 
     spec = _as_spec(spec)
@@ -206,6 +121,13 @@ def save_adapters(model: nn.Module, tokenizer, out_dir: str | Path, spec: ShiftS
         tensors[f"branch.{i}.weight"] = T.T.detach().to(torch.float64).contiguous().cpu()
         after = "post_feedforward_layernorm" if hasattr(blocks[i], "post_feedforward_layernorm") else "down_proj"
         spec.branch_maps.append({"block": i, "after": after})
+    spec.folds = []
+    for i, (W, b) in sorted((down or {}).items()):
+        tensors[f"fold.down.{i}.weight"], tensors[f"fold.down.{i}.bias"] = _f64(W), _f64(b)
+        spec.folds.append({"into": "down_proj", "block": i})
+    if embedding is not None:
+        tensors["fold.embedding.weight"], tensors["fold.embedding.bias"] = _f64(embedding[0]), _f64(embedding[1])
+        spec.folds.append({"into": "embedding"})
     tensors.update(kept_tensors(model, spec.refit_blocks or []))  # re-fitted kept blocks differ from the base
     save_file(tensors, str(out / LRA_WEIGHTS), metadata={"format": "pt"})
     if tokenizer is not None:
@@ -215,6 +137,14 @@ def save_adapters(model: nn.Module, tokenizer, out_dir: str | Path, spec: ShiftS
     role = "adapter-only: the base model is named, not copied; `shift_lightning.load_pretrained` rebuilds it"
     (out / "README.md").write_text(model_card(spec.to_dict(), model, replace(card or CardFacts(), role=role)))
     return out
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float64).contiguous().cpu()
+
+
+def _fold_names(spec: ShiftSpec) -> set[str]:
+    return {f"fold.down.{f['block']}" if f["into"] == "down_proj" else "fold.embedding" for f in spec.folds}
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,7 +242,12 @@ def _read_weights(path: Path, spec: ShiftSpec) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(wfile), framework="pt") as f:
             keys = list(f.keys())
-            present = {k.split(".", 1)[0] for k in keys if not k.startswith(("branch.", "kept."))}
+            present = {k.split(".", 1)[0] for k in keys if not k.startswith(("branch.", "kept.", "fold."))}
+            held_folds = {k.rsplit(".", 1)[0] for k in keys if k.startswith("fold.")}
+            if held_folds != _fold_names(spec):
+                raise SurgeryError(f"{wfile} holds folded maps {sorted(held_folds)} but {SHIFT_CONFIG} lists "
+                                   f"{sorted(_fold_names(spec))}: refusing to load a model whose weights do not match "
+                                   "its record")
             held_branches = {int(k.split(".")[1]) for k in keys if k.startswith("branch.")}
             held_kept = {int(k.split(".")[1]) for k in keys if k.startswith("kept.")}
             want_kept = set(spec.refit_blocks or []) if spec.weights == "adapters" else set()
@@ -389,6 +324,15 @@ def _load_shift_folder(path: Path, dtype, device, trust: bool = False):
         if not 0 <= i < len(blocks) or (not post_norm and not adapter_only):
             raise SurgeryError(f"{path / SHIFT_CONFIG}: MLP-branch map for block {i}, which has no post-MLP norm")
         fold_replaceme(blocks[i], weights[f"branch.{i}.weight"].to(torch.float64).T)
+    for f in spec.folds:  # adapter-only folders: the stock repair, folded again exactly as in memory
+        if f["into"] == "embedding":
+            fold_embedding(model, weights["fold.embedding.weight"], weights["fold.embedding.bias"])
+        elif 0 <= f["block"] < len(blocks):
+            fold_down(model, blocks[f["block"]], weights[f"fold.down.{f['block']}.weight"],
+                      weights[f"fold.down.{f['block']}.bias"])
+        else:
+            raise SurgeryError(f"{path / SHIFT_CONFIG}: a folded down_proj map for block {f['block']}, which the pruned "
+                               f"model ({len(blocks)} blocks) does not have")
     if adapter_only:  # last: a re-fitted block's weights are final (a map folded into it before the re-fit)
         try:
             put_kept_tensors(model, {k: t for k, t in weights.items() if k.startswith("kept.")})

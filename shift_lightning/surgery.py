@@ -140,13 +140,72 @@ def apply_correction(model: nn.Module, correction, original_num_layers: int, rem
     already pruned ``model``: attach its adapters and fold its ReplaceMe maps (``branch_maps``,
     keyed by original block index) into the kept blocks they belong to."""
     attach_adapters(model, correction.adapters)
-    if correction.branch_maps:
-        kept = [i for i in range(original_num_layers) if i not in set(removed)]
-        blocks = decoder_layers(model)
-        for orig, T in sorted(correction.branch_maps.items()):
-            if orig not in kept:
-                raise SurgeryError(f"ReplaceMe map for block {orig}, which was removed")
-            fold_replaceme(blocks[kept.index(orig)], T)
+    kept = [i for i in range(original_num_layers) if i not in set(removed)]
+    blocks = decoder_layers(model)
+    for orig, T in sorted(correction.branch_maps.items()):
+        if orig not in kept:
+            raise SurgeryError(f"ReplaceMe map for block {orig}, which was removed")
+        fold_replaceme(blocks[kept.index(orig)], T)
+    for orig, (W, b) in sorted(getattr(correction, "down_maps", {}).items()):
+        if orig not in kept:
+            raise SurgeryError(f"down_proj map for block {orig}, which was removed")
+        fold_down(model, blocks[kept.index(orig)], W, b)
+    if getattr(correction, "embedding", None) is not None:
+        fold_embedding(model, *correction.embedding)
+
+
+def _with_mlp_biases(model: nn.Module) -> None:
+    """Give every block's MLP projections a (zero) bias and set ``config.mlp_bias``: Llama's stock way to hold
+    one, which ``from_pretrained`` and llama.cpp load (every layer must then have it)."""
+    import torch
+
+    if not hasattr(model.config, "mlp_bias"):
+        raise SurgeryError(f"{model.config.model_type} has no mlp_bias option: its down_proj cannot hold a bias")
+    for block in decoder_layers(model):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(block.mlp, name)
+            if lin.bias is None:
+                w = lin.weight
+                lin.bias = nn.Parameter(torch.zeros(w.shape[0], dtype=w.dtype, device=w.device),
+                                        requires_grad=w.requires_grad)
+    model.config.mlp_bias = True
+
+
+def fold_down(model: nn.Module, block: nn.Module, W, b) -> None:
+    """Add the stock repair's update to ``block``'s ``down_proj``: weight ``+= W`` ``(d, d_ff)``, bias ``+= b``
+    (computed in float64; a nonzero ``b`` gives every MLP layer a bias, :func:`_with_mlp_biases`)."""
+    import torch
+
+    lin = block.mlp.down_proj
+    if tuple(W.shape) != tuple(lin.weight.shape):
+        raise SurgeryError(f"down_proj map of shape {tuple(W.shape)} for a down_proj of {tuple(lin.weight.shape)}")
+    with torch.no_grad():
+        lin.weight.copy_((lin.weight.double() + W.to(lin.weight.device, torch.float64)).to(lin.weight.dtype))
+        if bool((b != 0).any()):
+            if lin.bias is None:
+                _with_mlp_biases(model)
+            lin.bias.copy_((lin.bias.double() + b.to(lin.bias.device, torch.float64)).to(lin.bias.dtype))
+
+
+def fold_embedding(model: nn.Module, W, b) -> None:
+    """Fold ``x ↦ x + x Wᵀ + b`` into the input embedding table (a span at block 0); a tied ``lm_head`` is
+    untied first and keeps the original table."""
+    import torch
+
+    emb = model.get_input_embeddings()
+    if hasattr(emb, "embed_scale") and float(getattr(emb, "embed_scale", 1.0)) != 1.0:
+        raise SurgeryError("the embedding table is scaled on lookup; the stock fold supports unscaled tables")
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        if head is not None and head.weight is emb.weight:
+            head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=emb.weight.requires_grad)
+            model.config.tie_word_embeddings = False
+            if getattr(model.config, "get_text_config", None) is not None:
+                model.config.get_text_config().tie_word_embeddings = False
+        E = emb.weight.double()
+        W = W.to(E.device, torch.float64)
+        emb.weight = nn.Parameter((E + E @ W.T + b.to(E.device, torch.float64)).to(emb.weight.dtype),
+                                  requires_grad=emb.weight.requires_grad)
 
 
 def branch_maps(model: nn.Module) -> dict[int, BranchMap]:

@@ -10,6 +10,8 @@ all-reduce syncs every site on N ranks) and installs forward hooks that fill the
 ``branch`` ``RidgeStats`` of ``(m, Δ)``: ``m`` the MLP-branch output of block ``start − 1`` (ReplaceMe)
 ``joint``  ``RidgeStats`` of ``([x, m], Δ)`` (inputs ``2d`` wide, targets ``d``): the LRA and ReplaceMe's
            branch map fitted together (:mod:`~.solvers.joint`); spans with a block before them only
+``down``   ``RidgeStats`` of ``(u, Δ)`` (inputs ``d_ff`` wide, targets ``d``): ``u`` the input of block ``start − 1``'s
+           ``mlp.down_proj`` (the stock repair, :mod:`~.solvers.stock`); spans with a block before them only
 ``scale``  :class:`~shift_lightning.peers.ChannelScaleStats` of the span's input and output (LinearPatch)
 ``rows``   the rows ``(m, m + Δ)`` themselves, cached on the CPU per window (iterative solvers:
            ReplaceMe's cosine objective); gathered from every rank in window order, not summed
@@ -39,7 +41,7 @@ from ..stats import RidgeStats
 from .sites import Site
 
 #: Statistics a solver may ask for (see the module doc).
-NEEDS = ("io", "branch", "joint", "scale", "rows")
+NEEDS = ("io", "branch", "joint", "down", "scale", "rows")
 
 
 class StopForward(Exception):
@@ -105,6 +107,8 @@ class SiteStatistics:
     extra: dict = field(default_factory=dict)
     joint: RidgeStats | None = None
     held_joint: RidgeStats | None = None
+    down: RidgeStats | None = None
+    held_down: RidgeStats | None = None
 
     def fitting(self) -> "SiteStatistics":
         """The statistics without the held-out windows (sums are additive: all − held)."""
@@ -117,7 +121,8 @@ class SiteStatistics:
             return out
 
         return SiteStatistics(self.site, minus(self.io, self.held_io), minus(self.branch, self.held_branch),
-                              self.scale, self.rows, joint=minus(self.joint, self.held_joint))
+                              self.scale, self.rows, joint=minus(self.joint, self.held_joint),
+                              down=minus(self.down, self.held_down))
 
 
 class Collector:
@@ -125,12 +130,14 @@ class Collector:
     of the same blocks ``[start, end)`` share one :class:`SiteStatistics`), see the module doc."""
 
     def __init__(self, dim: int, plan: list[tuple[Site, set[str]]], accum_dtype: str = "float64",
-                 heldout_every: int | None = None, max_rows: int = 262144):
+                 heldout_every: int | None = None, max_rows: int = 262144, ffn_dim: int | None = None):
         merged: dict[tuple[int, int], tuple[Site, set[str]]] = {}
         for site, needs in plan:
             merged.setdefault(site.key, (site, set()))[1].update(needs)
         self.plan = {site: needs for site, needs in merged.values()}
-        self.dim, self.accum = dim, accum_dtype
+        self.dim, self.accum, self.ffn_dim = dim, accum_dtype, ffn_dim
+        if ffn_dim is None and any("down" in needs for needs in self.plan.values()):
+            raise ValueError("the down_proj statistics need the model's MLP width (ffn_dim)")
         self.heldout_every, self.max_rows = heldout_every, max_rows
         self.stats: dict[tuple[int, int], SiteStatistics] = {}
         self.flat = torch.zeros(0, dtype=torch.float64)
@@ -144,6 +151,8 @@ class Collector:
         for site, needs in self.plan.items():
             total += nr * ("io" in needs) + nr * ("branch" in needs and site.start >= 1) + ns * ("scale" in needs)
             total += nj * ("joint" in needs and site.start >= 1) * (2 if self.heldout_every else 1)
+            if "down" in needs and site.start >= 1:
+                total += RidgeStats.numel(self.ffn_dim, self.dim) * (2 if self.heldout_every else 1)
             if self.heldout_every:
                 total += nr * ("io" in needs) + nr * ("branch" in needs and site.start >= 1)
         return total
@@ -177,6 +186,13 @@ class Collector:
                     setattr(st, attr, RidgeStats(2 * self.dim, f"{site.name} [input and MLP branch{tag}]",
                                                  accum_dtype=self.accum, buffer=self.flat[off:off + nj], out_dim=self.dim))
                     off += nj
+            if "down" in needs and site.start >= 1:
+                copies = [("down", "")] + ([("held_down", ", held-out windows")] if self.heldout_every else [])
+                for attr, tag in copies:
+                    nd = RidgeStats.numel(self.ffn_dim, self.dim)
+                    setattr(st, attr, RidgeStats(self.ffn_dim, f"{site.name} [down_proj input{tag}]",
+                                                 accum_dtype=self.accum, buffer=self.flat[off:off + nd], out_dim=self.dim))
+                    off += nd
             if "scale" in needs:
                 st.scale = ChannelScaleStats(self.dim, site.name, buffer=self.flat[off:off + ns])
                 off += ns
@@ -210,6 +226,7 @@ class Collector:
         blocks = decoder_layers(model)
         inputs: dict[int, torch.Tensor] = {}
         branch: dict[int, torch.Tensor] = {}
+        down_in: dict[int, torch.Tensor] = {}
         by_end: dict[int, list[SiteStatistics]] = {}
         for st in self.stats.values():
             by_end.setdefault(st.site.end, []).append(st)
@@ -226,6 +243,11 @@ class Collector:
                 branch[j] = block_output(output)
 
             handles.append(mlp_branch(blocks[j]).register_forward_hook(on_branch))
+        for j in sorted({st.site.start - 1 for st in self.stats.values() if st.down is not None}):
+            def on_down(mod, args, j=j):
+                down_in[j] = args[0]
+
+            handles.append(blocks[j].mlp.down_proj.register_forward_pre_hook(on_down))
 
         for end, group in by_end.items():
             def post(mod, args, kwargs, output, group=group, end=end):
@@ -252,6 +274,11 @@ class Collector:
                         st.joint.add_batch(torch.cat([x[m], b[m]], dim=1), delta[m])
                         if st.held_joint is not None:
                             st.held_joint.add_batch(torch.cat([x[held_mask], b[held_mask]], dim=1), delta[held_mask])
+                    if st.down is not None:
+                        u = down_in[st.site.start - 1]
+                        st.down.add_batch(u[m], delta[m])
+                        if st.held_down is not None:
+                            st.held_down.add_batch(u[held_mask], delta[held_mask])
                     if st.scale is not None:
                         st.scale.add_batch(x, y, m)
                     if st.rows is not None:

@@ -65,6 +65,10 @@ class SpanMap:
     branch: torch.Tensor | None = None
     source: str = ""
     note: str | None = None
+    down: tuple[torch.Tensor, torch.Tensor] | None = None
+    """``(W (d, d_ff), b (d,))``: added to block ``span.start − 1``'s ``down_proj`` weight and bias (stock)."""
+    embedding: tuple[torch.Tensor, torch.Tensor] | None = None
+    """``(W (d, d), b (d,))``: a span at block 0's map ``x ↦ x + x Wᵀ + b`` folded into the embedding table."""
 
 
 @dataclass
@@ -78,6 +82,10 @@ class Correction:
     """Original index of a kept block -> ReplaceMe's ``T`` ``(d, d)`` for its MLP branch."""
     notes: list[str] = field(default_factory=list)
     spans: list[SpanMap] = field(default_factory=list)
+    down_maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Original index of a kept block -> ``(W, b)`` added to its ``down_proj`` (the stock repair)."""
+    embedding: tuple[torch.Tensor, torch.Tensor] | None = None
+    """``(W, b)`` folded into the embedding table (the stock repair of a span at block 0)."""
 
 
 def assemble(solver: str, maps: list[SpanMap], num_layers: int, removed: list[int]) -> Correction:
@@ -89,6 +97,10 @@ def assemble(solver: str, maps: list[SpanMap], num_layers: int, removed: list[in
             c.adapters[pos[m.span.start]] = m.adapter
         if m.branch is not None:
             c.branch_maps[m.span.start - 1] = m.branch
+        if m.down is not None:
+            c.down_maps[m.span.start - 1] = m.down
+        if m.embedding is not None:
+            c.embedding = m.embedding
         if m.note:
             c.notes.append(m.note)
     return c

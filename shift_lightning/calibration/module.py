@@ -65,6 +65,9 @@ class CalibrationModule(DataPass):
         self.num_layers = len(decoder_layers(model))  # the original depth (the model may be pruned later)
         self.dim = model.config.hidden_size
         cfg.check_dim(self.dim)
+        for s in self.solvers.values():
+            s.check_model(model)
+        self.ffn_dim = getattr(model.config, "intermediate_size", None)
         self.spans = span_sites(self.removed)
         per_span_only = all(s.per_span for s in self.solvers.values())  # peers only: their sites are the spans
         self.sites = self.spans if cfg.granularity == "span" or per_span_only else make_sites(self.removed, "block")
@@ -129,7 +132,7 @@ class CalibrationModule(DataPass):
 
     def _collect(self, trainer, windows, batch_size, plan, stage, holdout=False):
         self._collector = Collector(self.dim, plan, self.cfg.accum_dtype, self.cfg.heldout_every if holdout else None,
-                                    self.cfg.cosine_max_tokens)
+                                    self.cfg.cosine_max_tokens, self.ffn_dim)
         self.stage = stage
         self.run(trainer, windows, batch_size)
         self._collector.derive()
@@ -217,7 +220,7 @@ class CalibrationModule(DataPass):
 
         for key, theirs in other.statistics.items():
             mine = self.statistics.setdefault(key, SiteStatistics(theirs.site))
-            for field_ in ("io", "branch", "held_io", "held_branch", "joint"):
+            for field_ in ("io", "branch", "held_io", "held_branch", "joint", "down"):
                 t = getattr(theirs, field_)
                 if t is None:
                     continue
@@ -263,11 +266,12 @@ class CalibrationModule(DataPass):
             return
         branch = any(s.placement == "branch" for s in self.solvers.values())
         joint = any("joint" in s.needs for s in self.solvers.values())
+        down = any("down" in s.needs for s in self.solvers.values())
         span_level = len(self.requested) > 1 or any(self.solvers[n].per_span for n in self.requested)
         plan = [(t, {"io"}) for t in self.sites if any(not s.per_span for s in self._fittable())]
         if span_level:
-            plan += [(t, {"io"} | ({"branch"} if branch else set()) | ({"joint"} if joint else set()))
-                     for t in self.spans]
+            plan += [(t, {"io"} | ({"branch"} if branch else set()) | ({"joint"} if joint else set())
+                      | ({"down"} if down else set())) for t in self.spans]
         fresh = self._collect(trainer, windows, batch_size, plan, "held-out errors")
         for s in self._fittable():
             for t in self._targets(s):
@@ -283,7 +287,11 @@ class CalibrationModule(DataPass):
                 st = fresh[span.key]
                 for name in self.requested:
                     m = self.span_map(name, span)
-                    if m.branch is not None and m.adapter is not None and st.joint is not None:
+                    if m.down is not None and st.down is not None:
+                        err = st.down.relative_error(*m.down)
+                    elif m.embedding is not None:
+                        err = st.io.relative_error(*m.embedding)
+                    elif m.branch is not None and m.adapter is not None and st.joint is not None:
                         err = st.joint.relative_error(*span_delta_map(*as_affine(m.adapter), m.branch))
                     elif m.branch is not None and st.branch is not None:
                         T = m.branch.to(torch.float64)
@@ -321,6 +329,12 @@ class CalibrationModule(DataPass):
         if name in self._chosen:
             return self._chosen[name][span.key]
         s = self.solvers[name]
+        if s.placement == "down":
+            sol = self.solutions[name][span.key]
+            fold = (sol.W, sol.b if s.with_bias or span.start == 0 else torch.zeros_like(sol.b))
+            return SpanMap(span, down=fold, source=name) if span.start >= 1 else SpanMap(
+                span, embedding=fold, source=name, note=f"span {span.start}..{span.end - 1} starts at block 0: its "
+                                                        "LRA is folded into the embedding table")
         if s.placement == "branch":
             sol = self.solutions[name].get(span.key)
             if sol is None:

@@ -1,7 +1,7 @@
 """The distributed solve: job ``n`` runs on rank ``n mod world``, its map is broadcast to every rank.
 
 Every solver returns a :class:`~shift_lightning.stats.Solution` of known shapes (``W (d, d)``,
-``b (d,)``, ``U, V (d, r)`` when low rank, a branch map ``T (d, d)`` beside the adapter for the joint
+``b (d,)`` (``W (d, d_ff)`` for the stock repair's ``down_proj`` update), ``U, V (d, r)`` when low rank, a branch map ``T (d, d)`` beside the adapter for the joint
 solver, ``λ``), so the broadcast is the same for every map. The owner's small ``info`` dict, which
 tensors it filled (and any :class:`~shift_lightning.stats.SolveError`) travel first, as an object: a
 failed solve raises the same one-line error on every rank, and every rank sizes the buffers alike.
@@ -52,14 +52,15 @@ def solve_shared(jobs: list[Job], dim: int, device) -> list[Solution]:
             try:
                 job.solver.device = device
                 sol = job.solver.fit(job.stats)
-                meta = {"kind": sol.kind, "info": sol.info, "low_rank": sol.U is not None, "T": sol.T is not None}
+                meta = {"kind": sol.kind, "info": sol.info, "low_rank": sol.U is not None, "T": sol.T is not None,
+                        "W_shape": tuple(sol.W.shape)}
             except SolveError as e:
                 meta = {"error": str(e)}
         meta = _broadcast_object(meta, owner)  # first: every rank then knows the shapes (or the error)
         if "error" in meta:
             raise SolveError(meta["error"])
         f64 = dict(dtype=torch.float64, device=device)
-        W, b, lam = torch.zeros(dim, dim, **f64), torch.zeros(dim, **f64), torch.zeros(1, **f64)
+        W, b, lam = torch.zeros(*meta["W_shape"], **f64), torch.zeros(dim, **f64), torch.zeros(1, **f64)
         U, V = torch.zeros(dim, r or 1, **f64), torch.zeros(dim, r or 1, **f64)
         T = torch.zeros(dim, dim, **f64) if meta["T"] else torch.zeros(1, 1, **f64)
         if sol is not None:

@@ -234,7 +234,9 @@ def run_calibration(
             if save_model == "adapters":
                 kept = [i for i in range(n_layers) if i not in set(selection.layers)]
                 save_adapters(lm, tokenizer, tmp, spec, asdict(model_cfg),
-                              {kept.index(i): T for i, T in correction.branch_maps.items()}, card=card)
+                              {kept.index(i): T for i, T in correction.branch_maps.items()}, card=card,
+                              down={kept.index(i): wb for i, wb in correction.down_maps.items()},
+                              embedding=correction.embedding)
             elif save_model:
                 save_pretrained(lm, tokenizer, tmp, spec, card=card)
             for name, doc in (extra_files or {}).items():

@@ -2,4 +2,4 @@
 with an ``@register`` class and one import line below."""
 
 from .base import SOLVERS, Solver, get_solver, register  # noqa: F401
-from . import ridge, replaceme, linearpatch, guard, joint  # noqa: F401,E402  (registers the solvers)
+from . import ridge, replaceme, linearpatch, guard, joint, stock  # noqa: F401,E402  (registers the solvers)

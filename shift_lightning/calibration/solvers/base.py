@@ -21,7 +21,10 @@ solver. Where the map goes is the solver's :attr:`Solver.placement`:
 * ``adapter``: ``y = x + x Wᵀ + b`` (``kind="residual"``) or ``y = x Wᵀ + b`` (``kind="affine"``) on the
   hidden state entering the first kept block after the site;
 * ``branch``: ReplaceMe's ``T = Wᵀ`` on the MLP branch of block ``start − 1`` (folded into
-  ``down_proj``).
+  ``down_proj``);
+* ``down``: an update ``Δ̂ = u Wᵀ + b`` of block ``start − 1``'s ``down_proj`` (``u`` its input, ``W`` is
+  ``(d, d_ff)``), added to its weight and bias; a span at block 0: an adapter folded into the embedding table
+  (:mod:`.stock`).
 
 Per-block solvers (:attr:`Solver.per_span` false) are fitted per *site* (a block, or a span with
 ``granularity: span``) and their adapters merged per span; per-span solvers are fitted per span. A solver that
@@ -54,7 +57,7 @@ class Solver:
     """One line for model cards and ``--help`` ("closed-form Linear Residual Adapters …")."""
     span_only: ClassVar[bool] = False
     """Always fitted once per contiguous span (peers, guards, the joint map), whatever ``granularity`` says."""
-    placement: ClassVar[Literal["adapter", "branch"]] = "adapter"
+    placement: ClassVar[Literal["adapter", "branch", "down"]] = "adapter"
     bias: ClassVar[bool] = True
     """The adapter has a bias term (``b`` or ``c``)."""
     needs: ClassVar[frozenset[str]] = frozenset({"io"})
@@ -101,6 +104,9 @@ class Solver:
     def applies(self, site: Site) -> bool:
         """Whether this solver can correct ``site`` (ReplaceMe needs a block before the span)."""
         return True
+
+    def check_model(self, model) -> None:
+        """Refuse, with one line, a model this solver cannot correct (before any pass)."""
 
     def fit(self, stats: SiteStatistics) -> Solution:
         raise NotImplementedError

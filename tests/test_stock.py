@@ -1,0 +1,201 @@
+"""The stock repair (``--calibration.solver stock``): maps folded into existing weights, known answers, a plain
+HF folder that ``AutoModelForCausalLM`` loads without remote code to the same logits, and the refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from shift_lightning import load_pretrained
+from shift_lightning.arch import decoder_layers
+from shift_lightning.calibration import CalibrationConfig, CalibrationModule
+from shift_lightning.checkpoint import save_pretrained
+from shift_lightning.errors import ConfigError
+from shift_lightning.models import build_tiny_model
+from shift_lightning.surgery import apply_correction, remove_blocks
+
+from test_peers import Linear, _rand, _windows
+
+
+def _trainer():
+    return L.Trainer(accelerator="cpu", devices=1, inference_mode=False, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+
+
+def _fit(model, removed, solvers, windows, damping=1e-10):
+    mod = CalibrationModule(model, removed, CalibrationConfig(damping=damping), solvers=solvers)
+    mod.calibrate(_trainer(), windows, batch_size=4)
+    return mod
+
+
+class DownLinear(nn.Module):
+    """A stand-in block adding ``u C0ᵀ + c0`` to the stream, ``u`` the down_proj input of an earlier block."""
+
+    def __init__(self, shared, C0, c0):
+        super().__init__()
+        self.shared, self.C0, self.c0 = shared, C0, c0
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states + self.shared["u"] @ self.C0.T.to(hidden_states) + self.c0.to(hidden_states)
+
+
+def _down_span_model(family):
+    """A tiny model whose blocks 2–3 add ``u C0ᵀ + c0`` (``u``: block 1's down_proj input): exactly the stock map."""
+    model, tok = build_tiny_model(family, num_hidden_layers=6, dtype=torch.float64)
+    d, f = model.config.hidden_size, model.config.intermediate_size
+    g = torch.Generator().manual_seed(11)
+    C0 = 0.5 * torch.randn(d, f, generator=g, dtype=torch.float64)
+    c0 = 0.1 * torch.randn(d, generator=g, dtype=torch.float64)
+    blocks = decoder_layers(model)
+    shared = {}
+    blocks[1].mlp.down_proj.register_forward_pre_hook(lambda mod, a: shared.__setitem__("u", a[0]))
+    blocks[2] = DownLinear(shared, C0, c0)
+    blocks[3] = Linear(torch.eye(d, dtype=torch.float64))
+    return model, tok
+
+
+def _plain_reload(folder, ids):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)  # no trust_remote_code
+    with torch.no_grad():
+        return hf, hf(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_stock_recovers_a_span_linear_in_the_down_proj_input_and_writes_a_plain_folder(family, tmp_path):
+    """Blocks 2–3 add exactly ``u C0ᵀ + c0``: the stock map folded into block 1's down_proj gives back the original
+    (Llama, with its bias in ``mlp_bias``; Qwen2 has no bias slot, so it is fitted without one and only ``c0 = 0``
+    would be exact: there the span is built without it). The folder is a plain one of its family, and
+    ``AutoModelForCausalLM`` (no remote code) gives the same logits as ``load_pretrained``, bit for bit."""
+    model, tok = _down_span_model(family)
+    if family == "qwen2":
+        decoder_layers(model)[2].c0 = torch.zeros_like(decoder_layers(model)[2].c0)
+    win = _windows(tok)
+    ids = win.input_ids[:2, :24]
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+    mod = _fit(model, [2, 3], {"stock": {}, "replaceme": {}}, win)
+    errors = mod.reports[mod.spans[0].key]["solvers"]
+    assert errors["stock"]["calib_rel_error"] < 1e-9 < 1e-3 < errors["replaceme"]["calib_rel_error"]
+    corr = mod.correction("stock")
+    assert list(corr.down_maps) == [1] and not corr.adapters and not corr.branch_maps
+    remove_blocks(model, [2, 3])
+    apply_correction(model, corr, 6, [2, 3])
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False).logits
+    assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": [2, 3], "correction": "stock"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == family and "auto_map" not in cfg and cfg["num_hidden_layers"] == 4
+    assert not (tmp_path / "modeling_shift.py").exists()
+    assert f"A plain `{family}` folder" in (tmp_path / "README.md").read_text()  # the card says where it runs
+    assert cfg.get("mlp_bias", False) is (family == "llama")
+    if "layer_types" in cfg:
+        assert len(cfg["layer_types"]) == 4
+    loaded, _ = load_pretrained(tmp_path)
+    with torch.no_grad():
+        mine = loaded(input_ids=ids, use_cache=False).logits
+    hf, theirs = _plain_reload(tmp_path, ids)
+    assert type(hf).__name__ == type(loaded).__name__
+    assert torch.equal(mine, theirs)
+    assert_close(theirs, out, rtol=0, atol=0)
+
+
+def test_stock_contains_replaceme_so_its_calibration_error_is_never_above_it():
+    """On a random model (no planted structure) the down_proj re-fit contains ReplaceMe's ``m ↦ m T``: its error on
+    the calibration tokens is at most ReplaceMe's (same damping), on both spans."""
+    model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
+    mod = _fit(model, [2, 4], {"stock": {}, "replaceme": {}}, _windows(tok), damping=1e-8)
+    for sp in mod.spans:
+        e = mod.reports[sp.key]["solvers"]
+        assert e["stock"]["calib_rel_error"] <= e["replaceme"]["calib_rel_error"] + 1e-9
+
+
+def test_stock_folds_a_span_at_block_0_into_an_untied_embedding_table(tmp_path):
+    """Blocks 0–1 add ``x A0ᵀ + c0`` of the embedding ``x``: the span LRA folded into the table gives back the
+    original; a tied lm_head is untied first and keeps the original table."""
+    model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64, tie_word_embeddings=True)
+    d = model.config.hidden_size
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight.detach().clone()
+    c0 = 0.1 * torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    blocks = decoder_layers(model)
+    blocks[0] = Linear(torch.eye(d, dtype=torch.float64) + _rand(d, 3, 0.3), c0)
+    blocks[1] = Linear(torch.eye(d, dtype=torch.float64))
+    win = _windows(tok)
+    ids = win.input_ids[:2, :24]
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+    mod = _fit(model, [0, 1], {"stock": {}}, win)
+    corr = mod.correction("stock")
+    assert corr.embedding is not None and not corr.down_maps and not corr.adapters
+    assert any("embedding table" in n for n in corr.notes)
+    remove_blocks(model, [0, 1])
+    apply_correction(model, corr, 6, [0, 1])
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+    assert torch.equal(model.get_output_embeddings().weight, head)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False).logits
+    assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": [0, 1], "correction": "stock"})
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
+    _, theirs = _plain_reload(tmp_path, ids)
+    assert_close(theirs, out, rtol=0, atol=0)
+
+
+def test_stock_refuses_gemma3_in_one_line_naming_what_to_use():
+    model, _ = build_tiny_model("gemma3", num_hidden_layers=6)
+    with pytest.raises(ConfigError) as e:
+        CalibrationModule(model, [2, 3], CalibrationConfig(solver="stock"))
+    msg = str(e.value)
+    assert "\n" not in msg and "gemma3" in msg and "lra_replaceme" in msg and "trust_remote_code" in msg
+
+
+def test_stock_statistics_sum_the_same_on_a_second_pass():
+    """``add_statistics`` carries the down_proj statistics: two passes over halves equal one pass over all."""
+    model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
+    win = _windows(tok)
+    whole = _fit(copy.deepcopy(model), [3], {"stock": {}}, win)
+    a = _fit(copy.deepcopy(model), [3], {"stock": {}}, win.subset(range(0, 4)))
+    b = _fit(copy.deepcopy(model), [3], {"stock": {}}, win.subset(range(4, 8)))
+    a.add_statistics(b)
+    a.solve()
+    key = whole.spans[0].key
+    assert_close(a.statistics[key].down.buffer, whole.statistics[key].down.buffer, rtol=1e-10, atol=1e-8)
+    assert_close(a.solution(a.spans[0]).W, whole.solution(whole.spans[0]).W, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("removed", [[2, 3], [0, 1]])
+def test_stock_adapter_only_folder_folds_the_maps_again_bit_for_bit(removed, tmp_path):
+    """The one-job recovery keeps its corrected base as an adapter-only folder: the stock updates are stored
+    (float64, as fitted) and folded into the rebuilt base again, giving the in-memory weights bit for bit (the
+    embedding fold is a product, ``E Wᵀ``, whose float64 rounding may differ with the buffers' alignment: there to
+    1e-15)."""
+    from dataclasses import asdict
+
+    from shift_lightning.checkpoint import save_adapters
+    from shift_lightning.models import ModelConfig
+
+    mcfg = ModelConfig(tiny={"family": "llama"}, dtype="float64")
+    model, tok = load_pretrained(mcfg)
+    base_embedding = model.get_input_embeddings().weight.detach().clone()
+    mod = _fit(model, removed, {"stock": {}}, _windows(tok), damping=1e-4)
+    corr = mod.correction("stock")
+    remove_blocks(model, removed)
+    apply_correction(model, corr, 6, removed)
+    kept = [i for i in range(6) if i not in removed]
+    save_adapters(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": removed, "correction": "stock"},
+                  asdict(mcfg), down={kept.index(i): wb for i, wb in corr.down_maps.items()}, embedding=corr.embedding)
+    loaded, _ = load_pretrained(tmp_path)
+    mine, theirs = model.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert [k for k in mine if not torch.equal(mine[k], theirs[k])] in ([], ["model.embed_tokens.weight"])
+    assert_close(theirs["model.embed_tokens.weight"], mine["model.embed_tokens.weight"], rtol=1e-15, atol=1e-15)
+    assert torch.equal(theirs["model.embed_tokens.weight"], base_embedding) == (0 not in removed)
