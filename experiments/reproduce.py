@@ -91,7 +91,7 @@ class ReproduceConfig:
     """Criteria to run, in this order."""
     variants: list[Literal["pruned", "lra", "lra_span", "lra_anchored", "lra_auto", "nobias", "affine", "replaceme",
                            "replaceme_cosine", "lra_replaceme", "lra_replaceme_anchored", "lra_replaceme_auto",
-                           "linearpatch", "lra_guard", "guarded", "guarded_span", "guarded_joint"]] = field(
+                           "linearpatch", "lra_guard", "guarded", "guarded_span", "guarded_joint", "stock"]] = field(
         default_factory=lambda: list(VARIANTS))
     """Row variants per criterion (``lra_span``, ``lra_anchored``, ``lra_auto``, ``lra_replaceme``,
     ``lra_replaceme_anchored``, ``lra_replaceme_auto``, ``guarded_span`` and ``guarded_joint`` are opt-in: not among

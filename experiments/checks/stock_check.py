@@ -67,6 +67,7 @@ def main(argv=None):
     ap.add_argument("--grid", default="results/paper_mixed")
     ap.add_argument("--damping", type=float, default=1e-4, help="the maps' relative damping (the grid's)")
     ap.add_argument("--refit_damping", type=float, default=0.1)
+    ap.add_argument("--rows", default=",".join(ROWS), help="which rows (comma-separated; default all)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--render_only", action="store_true")
     a = ap.parse_args(argv)
@@ -83,7 +84,7 @@ def main(argv=None):
     n = len(decoder_layers(model))
     fit, judge, refs = C.heldout_split(model, tok, 64, 512)
     cmd = "python experiments/checks/stock_check.py " + " ".join(
-        f"--{k} {v}" for k, v in vars(a).items() if v not in (None, False, True))
+        f"--{k} {v}" for k, v in vars(a).items() if v not in (None, False, True) and k != "rows")
     path = out.with_suffix(".json")
     doc = json.loads(path.read_text()) if path.exists() else {"rows": []}
     doc.update({"command": cmd, "model": a.model, "machine": C.machine(torch.device("cpu")),
@@ -93,7 +94,7 @@ def main(argv=None):
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, inference_mode=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
     for crit in a.criteria.split(","):
-        todo = [r for r in ROWS if (crit, r) not in done]
+        todo = [r for r in a.rows.split(",") if (crit, r) not in done]
         if not todo:
             continue
         layers = sorted(json.loads((Path(a.grid) / a.model / crit / "selection.json").read_text())["layers"])

@@ -27,7 +27,7 @@ GUARDS = tuple(n for n in VARIANT_LABELS if solver_of(n) == "guarded")
 #: Peers of the LRA in the comparisons (and the two ReplaceMe variants, whose better one is "ReplaceMe").
 PEERS = ("lra_span", "lra_anchored", "lra_auto", "lra_replaceme", "lra_replaceme_anchored", "lra_replaceme_auto",
          "nobias", "affine", "replaceme", "replaceme_cosine", "linearpatch", "lra_guard", "guarded", "guarded_span",
-         "guarded_joint")
+         "guarded_joint", "stock")
 REPLACEME = ("replaceme", "replaceme_cosine")
 
 
@@ -312,7 +312,7 @@ def closeness_summary(rows: list[dict], criteria: list[str], variants: list[str]
     repairs = [v for v in ("lra", "lra_span", "lra_anchored", "lra_auto", "lra_replaceme", "lra_replaceme_anchored",
                            "lra_replaceme_auto", "guarded", "guarded_span",
                            "guarded_joint", "nobias",
-                           "lra_guard", "replaceme", "replaceme_cosine", "linearpatch", "affine") if v in variants]
+                           "lra_guard", "replaceme", "replaceme_cosine", "linearpatch", "affine", "stock") if v in variants]
     lines = ["## Closeness and harm, per repair", "",
              "Per repair, over the criteria where both rows have closeness numbers: **closer** = lower KL than "
              "pruning on every set; **no harm** = the Avg and Robust differences to pruning are not significantly "
