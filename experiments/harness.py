@@ -304,7 +304,7 @@ def corrected(model: nn.Module, correction, num_layers: int, removed: list[int])
     blocks = decoder_layers(model)
     saved = {j: b.mlp.down_proj.weight.detach().clone() for j, b in enumerate(blocks)
              if (correction.branch_maps or correction.down_maps) and hasattr(b, "mlp")}
-    stock = _stock_state(model) if (correction.down_maps or correction.embedding is not None) else None
+    stock = _stock_state(model) if correction.embedding is not None else None
     apply_correction(model, correction, num_layers, removed)
     try:
         yield model
@@ -318,14 +318,10 @@ def corrected(model: nn.Module, correction, num_layers: int, removed: list[int])
 
 
 def _stock_state(model: nn.Module) -> dict:
-    """What the stock repair's folds change besides ``down_proj`` weights: MLP biases (added), the embedding
-    table, a tied head (untied) and the two config flags."""
+    """What the stock repair's embedding fold changes: the table, a tied head (untied) and the config's flag."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     return {"emb": emb.weight, "head": head.weight if head is not None else None,
-            "mlp_bias": getattr(model.config, "mlp_bias", None), "tie": model.config.tie_word_embeddings,
-            "biases": {(j, n): (bias, None if bias is None else bias.detach().clone())
-                       for j, b in enumerate(decoder_layers(model)) for n in ("gate_proj", "up_proj", "down_proj")
-                       for bias in [getattr(b.mlp, n).bias]}}
+            "tie": model.config.tie_word_embeddings}
 
 
 def _restore_stock(model: nn.Module, st: dict) -> None:
@@ -334,10 +330,3 @@ def _restore_stock(model: nn.Module, st: dict) -> None:
     if st["head"] is not None:
         model.get_output_embeddings().weight = st["head"]
     model.config.tie_word_embeddings = st["tie"]
-    if st["mlp_bias"] is not None:
-        model.config.mlp_bias = st["mlp_bias"]
-    for (j, n), (bias, value) in st["biases"].items():
-        if bias is not None:
-            with torch.no_grad():
-                bias.copy_(value)
-        getattr(decoder_layers(model)[j].mlp, n).bias = bias

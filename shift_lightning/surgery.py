@@ -154,26 +154,9 @@ def apply_correction(model: nn.Module, correction, original_num_layers: int, rem
         fold_embedding(model, *correction.embedding)
 
 
-def _with_mlp_biases(model: nn.Module) -> None:
-    """Give every block's MLP projections a (zero) bias and set ``config.mlp_bias``: Llama's stock way to hold
-    one, which ``from_pretrained`` and llama.cpp load (every layer must then have it)."""
-    import torch
-
-    if not hasattr(model.config, "mlp_bias"):
-        raise SurgeryError(f"{model.config.model_type} has no mlp_bias option: its down_proj cannot hold a bias")
-    for block in decoder_layers(model):
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            lin = getattr(block.mlp, name)
-            if lin.bias is None:
-                w = lin.weight
-                lin.bias = nn.Parameter(torch.zeros(w.shape[0], dtype=w.dtype, device=w.device),
-                                        requires_grad=w.requires_grad)
-    model.config.mlp_bias = True
-
-
 def fold_down(model: nn.Module, block: nn.Module, W, b) -> None:
     """Add the stock repair's update to ``block``'s ``down_proj``: weight ``+= W`` ``(d, d_ff)``, bias ``+= b``
-    (computed in float64; a nonzero ``b`` gives every MLP layer a bias, :func:`_with_mlp_biases`)."""
+    (computed in float64; a nonzero ``b`` needs the layer to have a bias already)."""
     import torch
 
     lin = block.mlp.down_proj
@@ -183,7 +166,7 @@ def fold_down(model: nn.Module, block: nn.Module, W, b) -> None:
         lin.weight.copy_((lin.weight.double() + W.to(lin.weight.device, torch.float64)).to(lin.weight.dtype))
         if bool((b != 0).any()):
             if lin.bias is None:
-                _with_mlp_biases(model)
+                raise SurgeryError("a down_proj map with a bias for a down_proj without one")
             lin.bias.copy_((lin.bias.double() + b.to(lin.bias.device, torch.float64)).to(lin.bias.dtype))
 
 

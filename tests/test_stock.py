@@ -46,12 +46,12 @@ class DownLinear(nn.Module):
 
 
 def _down_span_model(family):
-    """A tiny model whose blocks 2–3 add ``u C0ᵀ + c0`` (``u``: block 1's down_proj input): exactly the stock map."""
+    """A tiny model whose blocks 2–3 add ``u C0ᵀ`` (``u``: block 1's down_proj input): exactly the stock map."""
     model, tok = build_tiny_model(family, num_hidden_layers=6, dtype=torch.float64)
     d, f = model.config.hidden_size, model.config.intermediate_size
     g = torch.Generator().manual_seed(11)
     C0 = 0.5 * torch.randn(d, f, generator=g, dtype=torch.float64)
-    c0 = 0.1 * torch.randn(d, generator=g, dtype=torch.float64)
+    c0 = torch.zeros(d, dtype=torch.float64)
     blocks = decoder_layers(model)
     shared = {}
     blocks[1].mlp.down_proj.register_forward_pre_hook(lambda mod, a: shared.__setitem__("u", a[0]))
@@ -70,13 +70,10 @@ def _plain_reload(folder, ids):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_stock_recovers_a_span_linear_in_the_down_proj_input_and_writes_a_plain_folder(family, tmp_path):
-    """Blocks 2–3 add exactly ``u C0ᵀ + c0``: the stock map folded into block 1's down_proj gives back the original
-    (Llama, with its bias in ``mlp_bias``; Qwen2 has no bias slot, so it is fitted without one and only ``c0 = 0``
-    would be exact: there the span is built without it). The folder is a plain one of its family, and
-    ``AutoModelForCausalLM`` (no remote code) gives the same logits as ``load_pretrained``, bit for bit."""
+    """Blocks 2–3 add exactly ``u C0ᵀ`` (no intercept: the stock map has none): the stock map folded into block 1's
+    down_proj gives back the original. The folder is a plain one of its family, and ``AutoModelForCausalLM`` (no
+    remote code) gives the same logits as ``load_pretrained``, bit for bit."""
     model, tok = _down_span_model(family)
-    if family == "qwen2":
-        decoder_layers(model)[2].c0 = torch.zeros_like(decoder_layers(model)[2].c0)
     win = _windows(tok)
     ids = win.input_ids[:2, :24]
     with torch.no_grad():
@@ -96,7 +93,7 @@ def test_stock_recovers_a_span_linear_in_the_down_proj_input_and_writes_a_plain_
     assert cfg["model_type"] == family and "auto_map" not in cfg and cfg["num_hidden_layers"] == 4
     assert not (tmp_path / "modeling_shift.py").exists()
     assert f"A plain `{family}` folder" in (tmp_path / "README.md").read_text()  # the card says where it runs
-    assert cfg.get("mlp_bias", False) is (family == "llama")
+    assert not cfg.get("mlp_bias", False)
     if "layer_types" in cfg:
         assert len(cfg["layer_types"]) == 4
     loaded, _ = load_pretrained(tmp_path)

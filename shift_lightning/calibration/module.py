@@ -331,7 +331,7 @@ class CalibrationModule(DataPass):
         s = self.solvers[name]
         if s.placement == "down":
             sol = self.solutions[name][span.key]
-            fold = (sol.W, sol.b if s.with_bias or span.start == 0 else torch.zeros_like(sol.b))
+            fold = (sol.W, sol.b)
             return SpanMap(span, down=fold, source=name) if span.start >= 1 else SpanMap(
                 span, embedding=fold, source=name, note=f"span {span.start}..{span.end - 1} starts at block 0: its "
                                                         "LRA is folded into the embedding table")
