@@ -46,6 +46,10 @@ PER_LAYER_KEYS = ("feed_forward_length", "attention.head_count", "attention.head
                   "expert_feed_forward_length", "expert_used_count", "attention.sliding_window_pattern",
                   "xielu.alpha_n", "xielu.alpha_p", "xielu.beta", "xielu.eps", "swiglu_clamp_exp",
                   "swiglu_clamp_shexp")
+#: Architectures whose llama.cpp loader, without a per-layer ``<arch>.attention.sliding_window_pattern`` array in the
+#: file, assumes a fixed pattern (``load_swa_pattern(ml, n, dense_first)`` in llama.cpp's ``src/models/<arch>.cpp``):
+#: block ``i`` is full attention when ``i % n == n - 1`` (``dense_first``: when ``i % n == 0``).
+SWA_DEFAULTS = {"gemma3": (6, False), "gemma2": (2, False)}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
@@ -252,11 +256,14 @@ class GGUFSummary:
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
 
-def check_layer_metadata(path: str | Path, num_layers: int, original_num_layers: int | None = None) -> GGUFSummary:
+def check_layer_metadata(path: str | Path, num_layers: int, original_num_layers: int | None = None,
+                         layer_types: list[str] | None = None) -> GGUFSummary:
     """Read ``path`` and refuse it, naming the file, unless ``<arch>.block_count == num_layers``, the
-    ``blk.N.*`` tensors exist for exactly ``N < num_layers`` and every per-layer metadata array
+    ``blk.N.*`` tensors exist for exactly ``N < num_layers``, every per-layer metadata array
     (:data:`PER_LAYER_KEYS`, or any ``<arch>.*`` array as long as the unpruned depth
-    ``original_num_layers``) holds ``num_layers`` entries."""
+    ``original_num_layers``) holds ``num_layers`` entries, and, given the folder's ``layer_types``
+    (``config.json``), the sliding / full attention llama.cpp will run each block with is the folder's
+    (the file's per-layer pattern, or the fixed one llama.cpp assumes without it: :data:`SWA_DEFAULTS`)."""
     from gguf import GGUFReader, GGUFValueType
 
     path = Path(path)
@@ -295,9 +302,44 @@ def check_layer_metadata(path: str | Path, num_layers: int, original_num_layers:
             if n != num_layers:
                 raise GGUFError(f"{path}: the per-layer metadata {key} has {n} entries but {arch}.block_count is "
                                 f"{num_layers}: the GGUF's layer metadata is wrong; do not use it")
+    if layer_types is not None:
+        _check_attention_pattern(path, reader, arch, num_layers, layer_types)
     ft = reader.fields.get("general.file_type")
     return GGUFSummary(path, arch, block_count, len(reader.tensors), blocks, per_layer,
                        int(ft.contents()) if ft is not None else None)
+
+
+def _check_attention_pattern(path: Path, reader, arch: str, num_layers: int, layer_types: list[str]) -> None:
+    from gguf import GGUFValueType
+
+    if len(layer_types) != num_layers:
+        raise GGUFError(f"config.json layer_types has {len(layer_types)} entries for {num_layers} blocks; the folder "
+                        "is inconsistent")
+    want = [t == "sliding_attention" for t in layer_types]
+    if not any(want):
+        return
+    f = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+    if f is not None and f.types and f.types[0] == GGUFValueType.ARRAY:
+        got, how = [bool(x) for x in f.contents()], "its per-layer sliding_window_pattern"
+    elif arch in SWA_DEFAULTS:
+        n, dense_first = SWA_DEFAULTS[arch]
+        if f is not None:
+            n = int(f.contents())
+        sw = reader.fields.get(f"{arch}.attention.sliding_window")
+        if sw is None or int(sw.contents()) == 0:
+            got, how = [False] * num_layers, f"no {arch}.attention.sliding_window (every block full attention)"
+        else:
+            got = [n == 0 or (i % n != 0 if dense_first else i % n < n - 1) for i in range(num_layers)]
+            how = (f"no per-layer pattern: llama.cpp's {arch} loader assumes every {n}th block full attention "
+                   "(the unpruned model's pattern)")
+    else:
+        return  # an architecture whose default pattern is not known here: not checked
+    wrong = [i for i in range(num_layers) if got[i] != want[i]]
+    if wrong:
+        raise GGUFError(f"{path}: llama.cpp would run blocks {_ranges(wrong)} with the wrong attention (sliding vs full) "
+                        f"for this pruned model: config.json layer_types differs from what the GGUF says ({how}); "
+                        "the GGUF's layer metadata is wrong; do not use it (llama.cpp cannot run this pruned "
+                        f"{arch} correctly from its converter's output)")
 
 
 def _ranges(ids: list[int]) -> str:
@@ -341,7 +383,8 @@ def export_gguf(folder: str | Path, outfile: str | Path, outtype: str = "f16", l
         run_converter(checkout, folder, tmp, outtype)
         if not tmp.is_file():
             raise GGUFError(f"llama.cpp's converter exited without writing {tmp}")
-        check_layer_metadata(tmp, doc["num_hidden_layers"], original if isinstance(original, int) else None)
+        check_layer_metadata(tmp, doc["num_hidden_layers"], original if isinstance(original, int) else None,
+                             doc.get("layer_types") if isinstance(doc.get("layer_types"), list) else None)
         os.replace(tmp, outfile)
     except GGUFError as e:
         if "the GGUF's" in str(e):  # name the file the user asked for, not our temporary one

@@ -279,3 +279,50 @@ def test_the_cli_prints_file_size_and_block_count(stock, tmp_path, fake_llama_cp
                         "--llama_cpp", str(fake_llama_cpp)]) == out
     line = capsys.readouterr().out
     assert f"Wrote {out}" in line and "MB, f32" in line and "llama.block_count 3" in line
+
+
+def _gemma3_gguf(path: Path, n: int, pattern=None, sliding_window: int | None = 512) -> Path:
+    """A gemma3 GGUF of ``n`` blocks (with ``<arch>.attention.sliding_window`` unless None; ``pattern``: a
+    per-layer sliding_window_pattern array)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(n)
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
+    if pattern is not None:
+        w.add_array("gemma3.attention.sliding_window_pattern", pattern)
+    for i in range(n):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _types(n: int, removed: list[int]) -> list[str]:
+    """Gemma3's layer_types (every 6th block full attention) after removing ``removed``."""
+    full = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
+    return [t for i, t in enumerate(full) if i not in removed]
+
+
+def test_a_pruned_gemma3_whose_attention_pattern_llama_cpp_would_get_wrong_is_refused(tmp_path):
+    """llama.cpp's gemma3 loader assumes every 6th block is full attention unless the file has a per-layer
+    pattern (its converter writes none): removing blocks 7-10 of 18 moves the full-attention blocks."""
+    types = _types(18, [7, 8, 9, 10])
+    p = _gemma3_gguf(tmp_path / "g.gguf", 14)
+    with pytest.raises(GGUFError, match=rf"{p}: llama.cpp would run blocks 7, 11, 13 with the wrong attention .*every 6th block"):
+        check_layer_metadata(p, 14, 18, types)
+    # six consecutive blocks removed: the pattern survives
+    assert check_layer_metadata(_gemma3_gguf(tmp_path / "six.gguf", 12), 12, 18, _types(18, list(range(6, 12))))
+    # a per-layer pattern in the file is what llama.cpp reads: the folder's pattern passes, another one not
+    ok = _gemma3_gguf(tmp_path / "arr.gguf", 14, [t == "sliding_attention" for t in types])
+    assert check_layer_metadata(ok, 14, 18, types).per_layer == {"gemma3.attention.sliding_window_pattern": 14}
+    bad = _gemma3_gguf(tmp_path / "bad.gguf", 14, [True] * 14)
+    with pytest.raises(GGUFError, match=r"blocks 5, 7, 13 with the wrong attention .*per-layer sliding_window_pattern"):
+        check_layer_metadata(bad, 14, 18, types)
+    # no window at all: llama.cpp runs every block full attention
+    with pytest.raises(GGUFError, match=r"no gemma3.attention.sliding_window"):
+        check_layer_metadata(_gemma3_gguf(tmp_path / "nowin.gguf", 14, sliding_window=None), 14, 18, types)
