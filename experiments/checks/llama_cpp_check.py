@@ -33,6 +33,7 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -46,7 +47,8 @@ import numpy as np
 import torch
 
 from shift_lightning.errors import ShiftError
-from shift_lightning.gguf import (LLAMA_CPP_PYTHON, SDIST, GGUFError, check_folder, check_layer_metadata, export_gguf,
+from shift_lightning.gguf import (LLAMA_CPP_PYTHON, SDIST, GGUFError, check_folder, check_layer_metadata, find_converter,
+                                  run_converter, export_gguf,
                                   llama_cpp_cache)
 from shift_lightning.outputs import write_json_atomic, write_text_atomic
 
@@ -266,9 +268,12 @@ def run_check(folder: str | Path | None = None, model: str | None = None, name: 
               formats: tuple[str, ...] = ("f32", "f16", "q8_0"), layers: list[int] | None = None,
               prompts: int = 20, prompt_len: int = 32, new_tokens: int = 16, windows: int = 8, seq_len: int = 128,
               out_dir: str | Path = ROOT / "results" / "llama_cpp", work: str | Path | None = None,
-              llama_cpp: str | None = None, threads: int | None = None) -> dict:
+              llama_cpp: str | None = None, threads: int | None = None, unchecked: bool = False,
+              command: str | None = None) -> dict:
     """Export ``folder`` (or ``model`` pruned into a work folder) in each format, compare llama.cpp with
-    transformers on it, write ``<out_dir>/<name>.json`` and ``.md``; returns the JSON document."""
+    transformers on it, write ``<out_dir>/<name>.json`` and ``.md``; returns the JSON document. ``unchecked``: run the
+    converter alone (no layer metadata check) and record what the check says instead of refusing the file, to
+    measure what llama.cpp does with a file the export refuses."""
     from shift_lightning.checkpoint import load_pretrained
     from shift_lightning.data import wants_bos
 
@@ -309,9 +314,22 @@ def run_check(folder: str | Path | None = None, model: str | None = None, name: 
         for fmt in formats:
             path = work / f"{name}-{fmt}.gguf"
             t0 = time.time()
-            export_gguf(folder, path, fmt, llama_cpp=llama_cpp, overwrite=True)
+            refusal = None
+            if unchecked:
+                path.unlink(missing_ok=True)
+                run_converter(find_converter(llama_cpp), folder, path, fmt)
+                try:
+                    check_layer_metadata(path, cfg.num_hidden_layers, source.get("original_num_layers"),
+                                         getattr(cfg, "layer_types", None))
+                except GGUFError as e:
+                    refusal = str(e).replace(str(path), path.name)
+            else:
+                export_gguf(folder, path, fmt, llama_cpp=llama_cpp, overwrite=True)
             export_s = time.time() - t0
-            meta = check_layer_metadata(path, cfg.num_hidden_layers)
+            from gguf import GGUFReader
+
+            meta = GGUFReader(str(path)).fields
+            block_count = int(meta[f"{meta['general.architecture'].contents()}.block_count"].contents())
             llm = lc.Llama(model_path=str(path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
                            seed=0, verbose=False)
             if tokenizer_same is None:
@@ -327,8 +345,8 @@ def run_check(folder: str | Path | None = None, model: str | None = None, name: 
                 if g != h:
                     k = next(j for j in range(new_tokens) if g[j] != h[j])
                     diverged.append({"prompt": i, "at": k, "hf_margin": round(margins[k], 5)})
-            rows[fmt] = {"file_mb": round(path.stat().st_size / 1e6, 2), "block_count": meta.block_count,
-                         "tensors": meta.tensors, "export_s": round(export_s, 1),
+            rows[fmt] = {"file_mb": round(path.stat().st_size / 1e6, 2), "block_count": block_count,
+                         **({"export_refused": refusal} if unchecked else {}), "export_s": round(export_s, 1),
                          "greedy_identical": len(ps) - len(diverged), "greedy_prompts": len(ps), "diverged": diverged,
                          **compare_logprobs(ref_lp, ll_lp, wins), "llama_cpp_s": round(ll_seconds, 1)}
             path.unlink()
@@ -336,7 +354,9 @@ def run_check(folder: str | Path | None = None, model: str | None = None, name: 
         if own_work:
             shutil.rmtree(work, ignore_errors=True)
     doc = {"name": name, "source": source, "num_hidden_layers": cfg.num_hidden_layers, "model_type": cfg.model_type,
-           "llama_cpp_python": getattr(lc, "__version__", "?"), "converter": "convert_hf_to_gguf.py of "
+           "llama_cpp_python": getattr(lc, "__version__", "?"), "llama_cpp_module": str(Path(lc.__file__).parent),
+           "llama_cpp_library": str(getattr(importlib.import_module("llama_cpp.llama_cpp"), "_base_path", "?")),
+           "converter": "convert_hf_to_gguf.py of "
            + (str(llama_cpp) if llama_cpp else f"llama-cpp-python {LLAMA_CPP_PYTHON}'s vendored llama.cpp"),
            "settings": {"prompts": len(ps), "prompt_len": prompt_len, "new_tokens": new_tokens, "windows": windows,
                         "seq_len": seq_len, "bos": bos, "text": "wiki-summaries, heldout split (no calibration text)",
@@ -345,7 +365,7 @@ def run_check(folder: str | Path | None = None, model: str | None = None, name: 
            "tokenizer_identical": f"{tokenizer_same}/{len(texts)}", "hf_s": round(hf_seconds, 1),
            "formats": rows, "seconds": round(time.time() - t_all, 1),
            "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count()},
-           "command": command_line(folder if "folder" in source else None, model, name, formats, layers)}
+           "command": command or command_line(folder if "folder" in source else None, model, name, formats, layers)}
     out_dir = Path(out_dir)
     write_json_atomic(out_dir / f"{name}.json", doc, indent=2)
     write_text_atomic(out_dir / f"{name}.md", render(doc))
@@ -389,6 +409,9 @@ def render(doc: dict) -> str:
                           f"{r['kl_mean']:.2e}", f"{r['kl_max']:.2e}", f"{r['top1_agree']:.4f}", r["ppl_hf"],
                           r["ppl_llama_cpp"]] for f, r in doc["formats"].items()]), ""]
     for f, r in doc["formats"].items():
+        if r.get("export_refused"):
+            lines.append(f"{f}: converted without the export's check (--unchecked); the export refuses this file: "
+                         f"{r['export_refused']}")
         if r["diverged"]:
             lines.append(f"{f}: greedy continuations part at " + ", ".join(
                 f"prompt {d['prompt']} token {d['at']} (HF top-2 margin {d['hf_margin']:.3g})" for d in r["diverged"]))
@@ -399,7 +422,7 @@ def render(doc: dict) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", choices=["smollm2-135m", "tiny"], help="prune this model (no repair) and check it")
+    src.add_argument("--model", choices=["smollm2-135m", "gemma3-270m", "tiny"], help="prune this model (no repair) and check it")
     src.add_argument("--folder", help="a saved folder (without adapters) to check as it is")
     ap.add_argument("--name", default=None, help="results file name (default: the model, or the folder's name)")
     ap.add_argument("--layers", default=None, help="blocks to remove, comma-separated or a-b (with --model)")
@@ -410,6 +433,8 @@ def main(argv=None):
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--seq_len", type=int, default=128)
     ap.add_argument("--llama_cpp", default=None, help="a llama.cpp checkout whose converter runs")
+    ap.add_argument("--unchecked", action="store_true", help="convert without the layer metadata check and record "
+                    "its verdict: what llama.cpp does with a file the export refuses")
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp's threads (default: half the cores)")
     ap.add_argument("--out", default=str(ROOT / "results" / "llama_cpp"))
     a = ap.parse_args(argv)
@@ -419,7 +444,10 @@ def main(argv=None):
             range(int(part.split("-")[0]), int(part.split("-")[1]) + 1) if "-" in part else [int(part)])})
     try:
         doc = run_check(a.folder, a.model, a.name, tuple(a.formats.split(",")), layers, a.prompts, a.prompt_len,
-                        a.new_tokens, a.windows, a.seq_len, a.out, llama_cpp=a.llama_cpp, threads=a.threads)
+                        a.new_tokens, a.windows, a.seq_len, a.out, llama_cpp=a.llama_cpp, threads=a.threads,
+                        unchecked=a.unchecked,
+                        command=shlex.join(["python", "experiments/checks/llama_cpp_check.py",
+                                            *(sys.argv[1:] if argv is None else argv)]))
     except (ShiftError, GGUFError) as e:
         sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
         raise SystemExit(2) from None
