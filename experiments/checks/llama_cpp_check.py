@@ -415,8 +415,15 @@ def render(doc: dict) -> str:
         if r["diverged"]:
             lines.append(f"{f}: greedy continuations part at " + ", ".join(
                 f"prompt {d['prompt']} token {d['at']} (HF top-2 margin {d['hf_margin']:.3g})" for d in r["diverged"]))
-    lines += ["", f"Reproduce: `{doc['command']}` ({doc['seconds']:.0f} s)."]
+    lines += ["", f"Reproduce: `{doc['command']}` ({doc['seconds']:.0f} s). llama_cpp module: "
+              f"`{doc.get('llama_cpp_module', '?')}`, its library: `{doc.get('llama_cpp_library', '?')}`."]
     return "\n".join(lines) + "\n"
+
+
+def rerender(json_file: str | Path) -> Path:
+    """Rewrite ``<name>.md`` from ``<name>.json`` (no model is run)."""
+    doc = json.loads(Path(json_file).read_text())
+    return write_text_atomic(Path(json_file).with_suffix(".md"), render(doc))
 
 
 def main(argv=None):
