@@ -7,7 +7,8 @@ Each case runs experiments/checks/llama_cpp_check.py (the script that writes res
 is exported with llama.cpp's own converter to f32, f16 and q8_0 (layer metadata checked), loaded with
 ``llama_cpp.Llama`` and compared with ``load_pretrained(folder)`` on held-out wiki-summaries text: at f32 all 20
 greedy continuations (16 tokens) identical, at f16 KL(HF ‖ llama.cpp) ≤ 1e-3 nats per token; q8_0's KL is recorded
-(and bounded loosely, so that a broken quantised file fails)."""
+(and bounded loosely, so that a broken quantised file fails). A Gemma3 pruned across its attention pattern is refused
+by the export, and shown to run wrong in llama.cpp when converted anyway."""
 
 from __future__ import annotations
 
@@ -74,3 +75,23 @@ def test_a_folder_with_adapters_is_refused_by_the_check(check, tmp_path):
     with pytest.raises(GGUFError, match="--calibration.solver stock"):
         check.run_check(folder=folder, out_dir=tmp_path / "out", work=tmp_path / "work")
     assert not (tmp_path / "out").exists()
+
+
+def test_gemma3_pruned_across_its_attention_pattern_is_refused_and_would_run_wrong(check, tmp_path):
+    """Gemma3-270M without blocks 7-10: the export refuses the converter's file (llama.cpp would assume every 6th
+    block full attention); converted anyway (--unchecked), llama.cpp runs it without error and far from
+    transformers. Blocks 6-11 removed (the pattern kept) match."""
+    from shift_lightning.gguf import GGUFError, export_gguf
+
+    kw = dict(formats=("f32",), prompts=4, windows=2, out_dir=tmp_path / "out")
+    bad = check.run_check(model="gemma3-270m", layers=[7, 8, 9, 10], name="g7-10", unchecked=True,
+                          work=tmp_path / "w1", **kw)["formats"]["f32"]
+    assert "blocks 7, 11, 13 with the wrong attention" in bad["export_refused"]
+    assert bad["kl_mean"] > 0.05 and bad["greedy_identical"] < bad["greedy_prompts"]
+    good = check.run_check(model="gemma3-270m", layers=list(range(6, 12)), name="g6-11", work=tmp_path / "w2",
+                           **kw)["formats"]["f32"]
+    assert good["kl_mean"] < 1e-4 and good["greedy_identical"] == good["greedy_prompts"]
+    folder, _ = check.make_folder("gemma3-270m", tmp_path / "g7-10", [7, 8, 9, 10])
+    with pytest.raises(GGUFError, match="wrong attention"):
+        export_gguf(folder, tmp_path / "g.gguf", "f16")
+    assert not (tmp_path / "g.gguf").exists()
