@@ -95,3 +95,26 @@ def test_gemma3_pruned_across_its_attention_pattern_is_refused_and_would_run_wro
     with pytest.raises(GGUFError, match="wrong attention"):
         export_gguf(folder, tmp_path / "g.gguf", "f16")
     assert not (tmp_path / "g.gguf").exists()
+
+
+def test_smollm2_135m_repaired_by_the_stock_solver_runs_in_llama_cpp(check, tmp_path):
+    """The stock repair (maps folded into down_proj) written by the calibration recipe is a plain Llama folder that
+    llama.cpp runs: the same comparisons, with llama.cpp's KV cache in f32 so that the f32 file's greedy
+    continuations are compared without the cache's f16 rounding (near-ties flip under it)."""
+    from shift_lightning.calibration import CalibrationConfig
+    from shift_lightning.config import PruneConfig
+    from shift_lightning.data import TextDataConfig
+    from shift_lightning.models import ModelConfig
+    from shift_lightning.recipes.calibrate import run_calibration
+
+    folder = tmp_path / "stock"
+    run_calibration(model=ModelConfig(name_or_path="smollm2-135m"),
+                    data=TextDataConfig(source="mixed", split="calibration", num_samples=16, seq_len=256),
+                    prune=PruneConfig(layers=list(range(12, 19))),
+                    calibration=CalibrationConfig(solver="stock", heldout=False),
+                    output_dir=str(folder), trainer={"accelerator": "cpu", "devices": 1})
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and "auto_map" not in cfg and cfg["num_hidden_layers"] == 23
+    doc = check.run_check(folder=folder, name="stock", out_dir=tmp_path, work=tmp_path / "work", kv_f32=True)
+    assert doc["source"]["correction"] == "stock"
+    _assert_matches(doc, 23, q8_kl=5e-2)

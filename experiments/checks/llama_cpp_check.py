@@ -269,7 +269,7 @@ def run_check(folder: str | Path | None = None, model: str | None = None, name: 
               prompts: int = 20, prompt_len: int = 32, new_tokens: int = 16, windows: int = 8, seq_len: int = 128,
               out_dir: str | Path = ROOT / "results" / "llama_cpp", work: str | Path | None = None,
               llama_cpp: str | None = None, threads: int | None = None, unchecked: bool = False,
-              command: str | None = None) -> dict:
+              command: str | None = None, kv_f32: bool = False) -> dict:
     """Export ``folder`` (or ``model`` pruned into a work folder) in each format, compare llama.cpp with
     transformers on it, write ``<out_dir>/<name>.json`` and ``.md``; returns the JSON document. ``unchecked``: run the
     converter alone (no layer metadata check) and record what the check says instead of refusing the file, to
@@ -330,8 +330,9 @@ def run_check(folder: str | Path | None = None, model: str | None = None, name: 
 
             meta = GGUFReader(str(path)).fields
             block_count = int(meta[f"{meta['general.architecture'].contents()}.block_count"].contents())
+            kv = {"type_k": 0, "type_v": 0} if kv_f32 else {}  # GGML_TYPE_F32; default: its f16 cache
             llm = lc.Llama(model_path=str(path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
-                           seed=0, verbose=False)
+                           seed=0, verbose=False, **kv)
             if tokenizer_same is None:
                 tokenizer_same = sum(llm.tokenize(t.encode("utf-8"), add_bos=False, special=False)
                                      == tok(t, add_special_tokens=False)["input_ids"] for t in texts)
@@ -361,7 +362,7 @@ def run_check(folder: str | Path | None = None, model: str | None = None, name: 
            "settings": {"prompts": len(ps), "prompt_len": prompt_len, "new_tokens": new_tokens, "windows": windows,
                         "seq_len": seq_len, "bos": bos, "text": "wiki-summaries, heldout split (no calibration text)",
                         "reference": "shift_lightning.load_pretrained(folder), float32, transformers",
-                        "threads": threads},
+                        "threads": threads, "kv_cache": "f32" if kv_f32 else "f16"},
            "tokenizer_identical": f"{tokenizer_same}/{len(texts)}", "hf_s": round(hf_seconds, 1),
            "formats": rows, "seconds": round(time.time() - t_all, 1),
            "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count()},
@@ -397,7 +398,9 @@ def render(doc: dict) -> str:
              + (f" ({_blocks(pruned)} of {src['original_num_layers']} removed"
                 f"{', ' + src['correction'] if src.get('correction') else ''})" if pruned else "") + ". "
              f"Exported with {doc['converter']}; run with llama-cpp-python {doc['llama_cpp_python']} "
-             f"({s['threads']} threads, CPU, its default f16 KV cache). Reference: {s['reference']}.", "",
+             f"({s['threads']} threads, CPU, "
+             f"{'an f32 KV cache' if s.get('kv_cache') == 'f32' else 'its default f16 KV cache'}). Reference: "
+             f"{s['reference']}.", "",
              f"Greedy: {s['new_tokens']} new tokens after each of {s['prompts']} prompts ({s['prompt_len']} tokens of "
              f"held-out documents). KL(HF ‖ llama.cpp): nats per predicted token over {s['windows']} windows × "
              f"{s['seq_len']} tokens ({s['text']}). Both runtimes get the HF tokenizer's ids; llama.cpp's own "
@@ -442,6 +445,7 @@ def main(argv=None):
     ap.add_argument("--llama_cpp", default=None, help="a llama.cpp checkout whose converter runs")
     ap.add_argument("--unchecked", action="store_true", help="convert without the layer metadata check and record "
                     "its verdict: what llama.cpp does with a file the export refuses")
+    ap.add_argument("--kv_f32", action="store_true", help="run llama.cpp with an f32 KV cache (default: its f16 one)")
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp's threads (default: half the cores)")
     ap.add_argument("--out", default=str(ROOT / "results" / "llama_cpp"))
     a = ap.parse_args(argv)
@@ -452,7 +456,7 @@ def main(argv=None):
     try:
         doc = run_check(a.folder, a.model, a.name, tuple(a.formats.split(",")), layers, a.prompts, a.prompt_len,
                         a.new_tokens, a.windows, a.seq_len, a.out, llama_cpp=a.llama_cpp, threads=a.threads,
-                        unchecked=a.unchecked,
+                        unchecked=a.unchecked, kv_f32=a.kv_f32,
                         command=shlex.join(["python", "experiments/checks/llama_cpp_check.py",
                                             *(sys.argv[1:] if argv is None else argv)]))
     except (ShiftError, GGUFError) as e:
