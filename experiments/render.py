@@ -145,6 +145,7 @@ def jobs() -> list[Job]:
         *(Job("checks/refit_check", ("--out", f"results/bench/{name}", "--render_only"))
           for name in ("refit_smollm2-135m", "refit_smollm2-135m_w256", "refit_smollm2-135m_w512",
                        "refit_gemma3-270m")),
+        Job("checks/stock_check", ("--model", "smollm2-135m", "--render_only")),
     ]
 
 
@@ -152,6 +153,9 @@ _RUNS_A_MODEL = "written by the script while it runs a model (no render-only pat
 #: Committed ``.md`` files under ``results/`` that no job remakes, and why.
 NOT_RENDERED = {
     "results/README.md": "hand-written index",
+    **{f"results/llama_cpp/{n}.md": "written by llama_cpp_check.py while it runs llama.cpp and the model"
+       for n in ("tiny-llama", "smollm2-135m", "smollm2-135m-stock-reverse_star", "smollm2-135m-stock-reverse_star-kvf32",
+                 "gemma3-270m-blocks6-11", "gemma3-270m-blocks7-10-unchecked")},
     "results/eval/README.md": "hand-written",
     "results/paper_r10/README.md": "hand-written (the grid's tables are not committed)",
     "results/eval/smollm2-135m/eval_results.md": "written by evaluate.py with its scores (no render-only path)",

@@ -51,7 +51,7 @@ def render(doc: dict, out: Path) -> None:
              "| row | " + " | ".join(crits) + " |", "|---|" + "---|" * len(crits)]
     best = {c: min((by[(c, r)]["kl"], r) for r in STOCK if (c, r) in by)[1] for c in crits
             if any((c, r) in by for r in STOCK)}
-    for row in SHOWN:
+    for row in (r for r in SHOWN if any((c, r) in by for c in crits)):
         cells = []
         for c in crits:
             r = by.get((c, row))
