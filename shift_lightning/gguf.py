@@ -15,6 +15,13 @@ folder's ``num_hidden_layers``, the ``blk.N.*`` tensors must exist for exactly `
 and every per-layer array in the metadata must hold ``block_count`` entries. A GGUF whose metadata
 still describes the unpruned depth (the layer-pruning metadata bug) is refused, naming the file.
 
+Sliding-window families (Gemma2, Gemma3): the converter writes no per-layer attention pattern, and
+llama.cpp's loader then assumes the unpruned model's fixed one (every 6th block full attention for
+Gemma3), which is wrong once blocks are removed across it. Where the folder's ``layer_types`` differs
+from what llama.cpp would run, the export writes the folder's pattern into the file
+(``<arch>.attention.sliding_window_pattern``, one bool per block: :func:`write_attention_pattern`),
+the array those loaders read first; the check then confirms every block gets the folder's attention.
+
 A *marked* folder (``model_type: shift_<family>``, adapters or ReplaceMe maps, see
 :mod:`shift_lightning.remote_code`) is refused: llama.cpp cannot run the adapters.
 """
@@ -24,22 +31,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
-import tarfile
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError, ShiftError
+from .errors import ConfigError
+from .gguf_converter import (CONVERTER, LLAMA_CPP_PYTHON, SDIST, GGUFError, check_converter_deps,  # noqa: F401
+                             find_converter, llama_cpp_cache, run_converter)
 
 #: The output types this export supports (llama.cpp's converter writes them without a quantize binary).
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
-#: The llama-cpp-python release whose sdist vendors the llama.cpp converter used by default.
-LLAMA_CPP_PYTHON = "0.3.36"
-SDIST = f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
-CONVERTER = "convert_hf_to_gguf.py"
 #: Per-layer hyper-parameters llama.cpp reads as "a scalar or one value per layer" (``get_key_or_arr``) or
 #: as a per-layer array (the sliding-window pattern); suffixes after ``<arch>.``.
 PER_LAYER_KEYS = ("feed_forward_length", "attention.head_count", "attention.head_count_kv",
@@ -51,18 +51,6 @@ PER_LAYER_KEYS = ("feed_forward_length", "attention.head_count", "attention.head
 #: block ``i`` is full attention when ``i % n == n - 1`` (``dense_first``: when ``i % n == 0``).
 SWA_DEFAULTS = {"gemma3": (6, False), "gemma2": (2, False)}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-
-
-class GGUFError(ShiftError):
-    """A folder that cannot be exported, a converter that cannot be found or failed, or a GGUF whose
-    layer metadata does not match its folder."""
-
-
-def llama_cpp_cache() -> Path:
-    """Where the llama-cpp-python sdist (and its extracted llama.cpp) and wheel are cached."""
-    from .assets import cache_root
-
-    return cache_root() / "llama_cpp"
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,113 +115,6 @@ def _check_outfile(outfile: Path, overwrite: bool) -> None:
     if outfile.exists() and not overwrite:
         raise GGUFError(f"--out {outfile} exists; choose another file or pass --overwrite to replace it")
     check_writable(outfile, "choose another --out")
-
-
-# --------------------------------------------------------------------------------------------
-# The converter
-# --------------------------------------------------------------------------------------------
-def _as_checkout(path: Path) -> Path | None:
-    """``path`` itself or the vendored llama.cpp of an extracted sdist, if it holds the converter."""
-    for cand in (path, path / "vendor" / "llama.cpp"):
-        if (cand / CONVERTER).is_file():
-            return cand
-    return None
-
-
-def _extract_sdist(sdist: Path, dest: Path) -> Path:
-    """Extract ``sdist`` once into ``dest`` (atomically; another process may race us)."""
-    root = dest / sdist.name[: -len(".tar.gz")]
-    if _as_checkout(root):
-        return root
-    tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=dest))
-    try:
-        with tarfile.open(sdist) as tf:
-            tf.extractall(tmp, filter="data")
-        inner = tmp / root.name
-        if not _as_checkout(inner):
-            raise GGUFError(f"{sdist} holds no vendor/llama.cpp/{CONVERTER}; delete it and run again, "
-                            "or pass --llama_cpp <a llama.cpp checkout>")
-        try:
-            os.rename(inner, root)
-        except OSError:
-            if not _as_checkout(root):
-                raise
-    except (tarfile.TarError, OSError) as e:
-        raise GGUFError(f"Cannot extract {sdist} ({e}); delete it and run again, or pass --llama_cpp "
-                        "<a llama.cpp checkout>") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return root
-
-
-def find_converter(llama_cpp: str | Path | None = None) -> Path:
-    """The llama.cpp folder holding ``convert_hf_to_gguf.py`` and ``gguf-py``: ``llama_cpp`` (a checkout
-    or an extracted llama-cpp-python sdist), else the sdist cached in :func:`llama_cpp_cache`
-    (extracted once), else that sdist fetched with ``pip download``."""
-    if llama_cpp is not None:
-        p = Path(llama_cpp).expanduser()
-        found = _as_checkout(p)
-        if found is None:
-            raise GGUFError(f"--llama_cpp {p} holds no {CONVERTER} (nor vendor/llama.cpp/{CONVERTER}); give a "
-                            "llama.cpp checkout or an extracted llama-cpp-python source archive")
-        return found
-    cache = llama_cpp_cache()
-    cache.mkdir(parents=True, exist_ok=True)
-    sdist = cache / SDIST
-    if not sdist.is_file():
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
-               "--disable-pip-version-check", "-d", str(cache), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"]
-        sys.stderr.write(f"shift-lightning: fetching llama.cpp's converter (llama-cpp-python=={LLAMA_CPP_PYTHON} "
-                         f"source, ~50 MB) once into {cache}\n")
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True)
-        except OSError as e:
-            r = subprocess.CompletedProcess(cmd, 1, "", str(e))
-        if r.returncode != 0 or not sdist.is_file():
-            tail = " ".join((r.stderr or r.stdout or "").strip().splitlines()[-2:])
-            raise GGUFError(f"Could not download llama-cpp-python=={LLAMA_CPP_PYTHON}'s source with pip "
-                            f"({tail or 'no archive came back'}); pass --llama_cpp <a llama.cpp checkout>, or put "
-                            f"{SDIST} into {cache}")
-    found = _as_checkout(_extract_sdist(sdist, cache))
-    assert found is not None
-    return found
-
-
-def _tail(text: str, n: int = 15) -> str:
-    lines = [ln for ln in text.replace("\r", "\n").splitlines() if ln.strip()]
-    return "\n".join(lines[-n:])
-
-
-def _check_converter_deps() -> None:
-    """The converter imports these whatever the tokenizer (``sentencepiece`` even for a BPE tokenizer)."""
-    import importlib.util
-
-    missing = [m for m in ("sentencepiece", "numpy", "safetensors") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise GGUFError(f"llama.cpp's converter needs the Python package(s) {', '.join(missing)}: pip install "
-                        f"{' '.join(missing)} (or pip install 'shift-lightning[gguf]')")
-
-
-def run_converter(checkout: Path, folder: Path, outfile: Path, outtype: str) -> None:
-    """``python convert_hf_to_gguf.py folder --outfile outfile --outtype outtype`` with the checkout's own
-    ``gguf-py`` first on the path; its output's tail in the error if it fails."""
-    env = dict(os.environ)
-    gguf_py = str(checkout / "gguf-py")
-    env["PYTHONPATH"] = gguf_py + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("NO_LOCAL_GGUF", None)
-    cmd = [sys.executable, str(checkout / CONVERTER), str(folder), "--outfile", str(outfile), "--outtype", outtype]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    except OSError as e:
-        raise GGUFError(f"Cannot run {checkout / CONVERTER}: {e}") from None
-    if r.returncode != 0:
-        out = (r.stdout or "") + (r.stderr or "")
-        hint = ""
-        m = re.search(r"No module named '([\w.]+)'", out)
-        if m:
-            hint = f" (the converter needs the Python package {m.group(1).split('.')[0]!r}: pip install it)"
-        raise GGUFError(f"llama.cpp's converter failed on {folder} (exit status {r.returncode}){hint}; "
-                        f"its last lines:\n{_tail(out)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,37 +190,94 @@ def check_layer_metadata(path: str | Path, num_layers: int, original_num_layers:
                        int(ft.contents()) if ft is not None else None)
 
 
-def _check_attention_pattern(path: Path, reader, arch: str, num_layers: int, layer_types: list[str]) -> None:
+def attention_pattern_llama_cpp_runs(reader, arch: str, num_layers: int) -> tuple[list[bool], str] | None:
+    """Which blocks llama.cpp will run with sliding-window attention (True) for the GGUF ``reader`` reads, and
+    where that comes from: the file's per-layer ``<arch>.attention.sliding_window_pattern``, else the fixed
+    pattern the arch's loader assumes (:data:`SWA_DEFAULTS`); None for an arch whose default is not known here."""
     from gguf import GGUFValueType
 
+    f = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+    if f is not None and f.types and f.types[0] == GGUFValueType.ARRAY:
+        return [bool(x) for x in f.contents()], "its per-layer sliding_window_pattern"
+    if arch not in SWA_DEFAULTS:
+        return None
+    n, dense_first = SWA_DEFAULTS[arch]
+    if f is not None:
+        n = int(f.contents())
+    sw = reader.fields.get(f"{arch}.attention.sliding_window")
+    if sw is None or int(sw.contents()) == 0:
+        return [False] * num_layers, f"no {arch}.attention.sliding_window (every block full attention)"
+    return ([n == 0 or (i % n != 0 if dense_first else i % n < n - 1) for i in range(num_layers)],
+            f"no per-layer pattern: llama.cpp's {arch} loader assumes every {n}th block full attention "
+            "(the unpruned model's pattern)")
+
+
+def _check_attention_pattern(path: Path, reader, arch: str, num_layers: int, layer_types: list[str]) -> None:
     if len(layer_types) != num_layers:
         raise GGUFError(f"config.json layer_types has {len(layer_types)} entries for {num_layers} blocks; the folder "
                         "is inconsistent")
     want = [t == "sliding_attention" for t in layer_types]
     if not any(want):
         return
-    f = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
-    if f is not None and f.types and f.types[0] == GGUFValueType.ARRAY:
-        got, how = [bool(x) for x in f.contents()], "its per-layer sliding_window_pattern"
-    elif arch in SWA_DEFAULTS:
-        n, dense_first = SWA_DEFAULTS[arch]
-        if f is not None:
-            n = int(f.contents())
-        sw = reader.fields.get(f"{arch}.attention.sliding_window")
-        if sw is None or int(sw.contents()) == 0:
-            got, how = [False] * num_layers, f"no {arch}.attention.sliding_window (every block full attention)"
-        else:
-            got = [n == 0 or (i % n != 0 if dense_first else i % n < n - 1) for i in range(num_layers)]
-            how = (f"no per-layer pattern: llama.cpp's {arch} loader assumes every {n}th block full attention "
-                   "(the unpruned model's pattern)")
-    else:
+    runs = attention_pattern_llama_cpp_runs(reader, arch, num_layers)
+    if runs is None:
         return  # an architecture whose default pattern is not known here: not checked
+    got, how = runs
     wrong = [i for i in range(num_layers) if got[i] != want[i]]
     if wrong:
         raise GGUFError(f"{path}: llama.cpp would run blocks {_ranges(wrong)} with the wrong attention (sliding vs full) "
                         f"for this pruned model: config.json layer_types differs from what the GGUF says ({how}); "
-                        "the GGUF's layer metadata is wrong; do not use it (llama.cpp cannot run this pruned "
-                        f"{arch} correctly from its converter's output)")
+                        "the GGUF's layer metadata is wrong; do not use it (export the folder with python -m "
+                        "shift_lightning.recipes.gguf, which writes the folder's per-layer pattern)")
+
+
+def write_attention_pattern(src: str | Path, dst: str | Path, layer_types: list[str]) -> list[int]:
+    """Copy the GGUF ``src`` to ``dst`` with ``<arch>.attention.sliding_window_pattern`` set to the folder's
+    per-layer pattern (``config.json`` ``layer_types``: True where a block is sliding-window attention), the
+    array llama.cpp's Gemma2/Gemma3 loaders read before falling back to their fixed every-nth pattern. Every
+    other key and every tensor is copied unchanged. Returns the blocks whose attention this changes."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(str(src))
+    arch = str(reader.fields["general.architecture"].contents())
+    key = f"{arch}.attention.sliding_window_pattern"
+    want = [t == "sliding_attention" for t in layer_types]
+    runs = attention_pattern_llama_cpp_runs(reader, arch, len(want))
+    changed = [i for i in range(len(want)) if runs is None or runs[0][i] != want[i]]
+    writer = GGUFWriter(str(dst), arch, endianess=reader.endianess)
+    for f in reader.fields.values():
+        # the writer adds general.architecture and the GGUF.* header fields itself
+        if f.name in ("general.architecture", key) or f.name.startswith("GGUF."):
+            continue
+        vtype = f.types[0]
+        writer.add_key_value(f.name, f.contents(), vtype,
+                             sub_type=f.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    writer.add_array(key, want)
+    for t in reader.tensors:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in reader.tensors:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
+    return changed
+
+
+def _pattern_to_write(path: Path, num_layers: int, layer_types) -> bool:
+    """Whether llama.cpp would run the converter's file with another attention pattern than the folder's
+    (an arch of :data:`SWA_DEFAULTS` pruned across its every-nth pattern)."""
+    from gguf import GGUFReader
+
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers \
+            or "sliding_attention" not in layer_types:
+        return False
+    reader = GGUFReader(str(path))
+    arch = str(reader.fields["general.architecture"].contents()) if "general.architecture" in reader.fields else ""
+    if arch not in SWA_DEFAULTS:
+        return False
+    runs = attention_pattern_llama_cpp_runs(reader, arch, num_layers)
+    return runs is not None and runs[0] != [t == "sliding_attention" for t in layer_types]
 
 
 def _ranges(ids: list[int]) -> str:
@@ -363,15 +301,16 @@ def export_gguf(folder: str | Path, outfile: str | Path, outtype: str = "f16", l
                 overwrite: bool = False) -> Path:
     """Convert the stock HF ``folder`` to ``outfile`` (``outtype``: f32, f16, bf16 or q8_0) with llama.cpp's
     ``convert_hf_to_gguf.py`` (``llama_cpp``: a llama.cpp checkout; default: the converter vendored in
-    llama-cpp-python's sdist, cached), check the written file's layer metadata against the folder and
-    publish it atomically. Returns ``outfile``. Never replaces an existing file unless ``overwrite``."""
+    llama-cpp-python's sdist, cached), write the folder's per-layer attention pattern where llama.cpp would
+    otherwise assume another (:func:`write_attention_pattern`), check the written file's layer metadata
+    against the folder and publish it atomically. Returns ``outfile``. Never replaces an existing file unless ``overwrite``."""
     check_outtype(outtype)
     folder = Path(folder).expanduser()
     outfile = Path(outfile).expanduser()
     doc = check_folder(folder)
     _check_outfile(outfile, overwrite)
     checkout = find_converter(llama_cpp)
-    _check_converter_deps()
+    check_converter_deps()
     original = None
     try:
         original = json.loads((folder / "shift_config.json").read_text()).get("original_num_layers")
@@ -383,6 +322,14 @@ def export_gguf(folder: str | Path, outfile: str | Path, outtype: str = "f16", l
         run_converter(checkout, folder, tmp, outtype)
         if not tmp.is_file():
             raise GGUFError(f"llama.cpp's converter exited without writing {tmp}")
+        if _pattern_to_write(tmp, doc["num_hidden_layers"], doc.get("layer_types")):
+            # the converter writes no per-layer pattern and llama.cpp's fixed one is the unpruned model's: write it
+            patterned = tmp.with_name(tmp.name + ".swa")
+            try:
+                write_attention_pattern(tmp, patterned, doc["layer_types"])
+                os.replace(patterned, tmp)
+            finally:
+                patterned.unlink(missing_ok=True)
         check_layer_metadata(tmp, doc["num_hidden_layers"], original if isinstance(original, int) else None,
                              doc.get("layer_types") if isinstance(doc.get("layer_types"), list) else None)
         os.replace(tmp, outfile)

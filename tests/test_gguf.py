@@ -220,11 +220,17 @@ FAKE = textwrap.dedent("""
         sys.exit(1)
     n = json.loads((Path(a.model) / "config.json").read_text())["num_hidden_layers"]
     blocks = n + (1 if mode == "stale" else 0)
-    w = gguf.GGUFWriter(a.outfile, "llama")
+    w = gguf.GGUFWriter(a.outfile, "gemma3" if mode == "gemma3" else "llama")
     w.add_block_count(blocks)
     w.add_string("test.outtype", a.outtype)
+    if mode == "gemma3":  # what the real converter writes for Gemma3: a window, no per-layer pattern
+        w.add_sliding_window(512)
+        w.add_token_list(["<pad>", "a", "b"])
+        w.add_float32("test.eps", 1e-6)
+        w.add_array("test.ids", [3, 1, 2])
+        w.add_tensor("token_embd.weight", np.arange(12, dtype=np.float16).reshape(3, 4))
     for i in range(blocks):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(4, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.full(4, i, dtype=np.float32))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
 """)
 
@@ -326,3 +332,36 @@ def test_a_pruned_gemma3_whose_attention_pattern_llama_cpp_would_get_wrong_is_re
     # no window at all: llama.cpp runs every block full attention
     with pytest.raises(GGUFError, match=r"no gemma3.attention.sliding_window"):
         check_layer_metadata(_gemma3_gguf(tmp_path / "nowin.gguf", 14, sliding_window=None), 14, 18, types)
+
+
+def test_export_writes_the_folders_attention_pattern_where_llama_cpp_would_assume_another(stock, tmp_path,
+                                                                                          fake_llama_cpp, monkeypatch):
+    """A Gemma3 pruned across its every-6th-block pattern: the converter writes no per-layer pattern, so the export
+    writes the folder's (one bool per block) and copies every other key and tensor unchanged."""
+    import shutil
+
+    from gguf import GGUFReader
+
+    folder = tmp_path / "g3"
+    shutil.copytree(stock, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    types = _types(6, [0, 1, 2])  # blocks 3, 4 sliding, 5 full; llama.cpp would assume 0, 1, 2 all sliding
+    (folder / "config.json").write_text(json.dumps({**cfg, "layer_types": types}))
+    monkeypatch.setenv("FAKE_CONVERTER", "gemma3")
+    out = export_gguf(folder, tmp_path / "g3.gguf", "f16", llama_cpp=fake_llama_cpp)
+    r = GGUFReader(str(out))
+    assert [bool(x) for x in r.fields["gemma3.attention.sliding_window_pattern"].contents()] == [True, True, False]
+    assert check_layer_metadata(out, 3, 6, types).per_layer == {"gemma3.attention.sliding_window_pattern": 3}
+    assert r.fields["tokenizer.ggml.tokens"].contents() == ["<pad>", "a", "b"]
+    assert r.fields["test.ids"].contents() == [3, 1, 2] and r.fields["test.outtype"].contents() == "f16"
+    assert r.fields["gemma3.attention.sliding_window"].contents() == 512
+    assert abs(r.fields["test.eps"].contents() - 1e-6) < 1e-12
+    tensors = {t.name: t.data for t in r.tensors}
+    assert tensors["token_embd.weight"].dtype.name == "float16"
+    assert tensors["token_embd.weight"].ravel().tolist() == list(range(12))
+    assert [tensors[f"blk.{i}.attn_norm.weight"].tolist() for i in range(3)] == [[float(i)] * 4 for i in range(3)]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".gguf" or ".tmp" in p.name) == ["g3.gguf"]
+    # where llama.cpp's own pattern is the folder's (six consecutive blocks removed), nothing is added
+    (folder / "config.json").write_text(json.dumps({**cfg, "layer_types": _types(9, [0, 1, 2, 3, 4, 5])}))
+    kept = export_gguf(folder, tmp_path / "kept.gguf", "f16", llama_cpp=fake_llama_cpp)
+    assert "gemma3.attention.sliding_window_pattern" not in GGUFReader(str(kept)).fields
