@@ -289,7 +289,7 @@ def runtimes(spec: dict, model, loads_remotely: bool) -> str:
     return (f"A plain `{family}` folder (no custom code): `AutoModelForCausalLM.from_pretrained(\"<this folder>\")` "
             "gives the same logits as `shift_lightning.load_pretrained`; `python -m shift_lightning.recipes.gguf "
             "--model <this folder> --out model.gguf --outtype q8_0` writes a GGUF for llama.cpp (tested on "
-            "Llama-layout folders); vLLM loads folders of this layout (not tested by shift-lightning).")
+            "Llama-layout and pruned Gemma3 folders); vLLM loads folders of this layout (not tested by shift-lightning).")
 
 
 def peft_card(adapter_config: dict, base_dir: str, spec: dict, facts: CardFacts | None = None) -> str:
