@@ -155,7 +155,8 @@ NOT_RENDERED = {
     "results/README.md": "hand-written index",
     **{f"results/llama_cpp/{n}.md": "written by llama_cpp_check.py while it runs llama.cpp and the model"
        for n in ("tiny-llama", "smollm2-135m", "smollm2-135m-stock-reverse_star", "smollm2-135m-stock-reverse_star-kvf32",
-                 "gemma3-270m-blocks6-11", "gemma3-270m-blocks7-10-unchecked")},
+                 "gemma3-270m-blocks6-11", "gemma3-270m-blocks7-10-unchecked", "gemma3-270m-blocks7-10",
+                 "gemma3-270m-blocks7-10-kvf32")},
     "results/eval/README.md": "hand-written",
     "results/paper_r10/README.md": "hand-written (the grid's tables are not committed)",
     "results/eval/smollm2-135m/eval_results.md": "written by evaluate.py with its scores (no render-only path)",
