@@ -1,6 +1,7 @@
 """Which stock repair (maps folded into existing weights): chosen on held-out calibration windows, never on evaluated docs.
 
     python experiments/checks/stock_check.py --model smollm2-135m --criteria angular,reverse_star,magnitude_l1,taylor
+    python experiments/checks/stock_check.py --model smollm2-135m --criteria ppl,magnitude_l2 --rows stock,stock+refit2
 
 The stock options (:mod:`shift_lightning.calibration.solvers.stock`): ReplaceMe's ``m ↦ m T`` folded into the
 ``down_proj`` before each span; the stock solver's ridge re-fit of that ``down_proj`` on its ``d_ff``-wide input
