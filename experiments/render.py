@@ -94,7 +94,7 @@ def jobs() -> list[Job]:
         *(_grid(m, "--calib_source", "mixed", "--out", "results/paper_mixed", "--pruned_from", "results/paper",
                 "--variants", MIXED_VARIANTS if m == "smollm2-135m" else MIXED_VARIANTS.replace(", stock]", "]"))
           for m in ("smollm2-135m", "gemma3-270m")),  # stock refuses Gemma3 (its post-branch norms cannot fold)
-        _grid("smollm2-135m", "--calib_source", "mixed", "--variants", "[lra_replaceme]", "--refit_kept", "2",
+        _grid("smollm2-135m", "--calib_source", "mixed", "--variants", "[lra_replaceme, stock]", "--refit_kept", "2",
               "--criteria", REFIT_CRITERIA, "--out", "results/paper_mixed_refit", "--pruned_from", "results/paper"),
         Job("ablations", ("--model", "smollm2-135m", "--render_only")),
         *(Job("closeness_sweep", ("--model", m, "--criteria", "[reverse_star, angular, taylor, block_influence, "
