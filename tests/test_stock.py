@@ -196,3 +196,47 @@ def test_stock_adapter_only_folder_folds_the_maps_again_bit_for_bit(removed, tmp
     assert [k for k in mine if not torch.equal(mine[k], theirs[k])] in ([], ["model.embed_tokens.weight"])
     assert_close(theirs["model.embed_tokens.weight"], mine["model.embed_tokens.weight"], rtol=1e-15, atol=1e-15)
     assert torch.equal(theirs["model.embed_tokens.weight"], base_embedding) == (0 not in removed)
+
+
+def test_stock_with_the_kept_block_refit_stays_a_plain_folder(tmp_path, monkeypatch):
+    """``--calibration.solver stock --calibration.refit_kept 1`` (the best stock repair): the re-fit changes only
+    the kept block's own weights, so the folder is still a plain Llama folder — no ``auto_map``, no custom code,
+    ``refit_blocks`` recorded — and ``AutoModelForCausalLM`` gives ``load_pretrained``'s logits, bit for bit,
+    which are the in-memory model's. The re-fitted block differs from the same job without the re-fit."""
+    import shift_lightning.keptfit as K
+    from shift_lightning.criteria import PruneConfig
+    from shift_lightning.data import TextDataConfig
+    from shift_lightning.models import ModelConfig
+    from shift_lightning.recipes.calibrate import run_calibration
+
+    from test_calibration import CORPUS
+
+    kw = dict(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
+              heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[2, 3]),
+              trainer={"accelerator": "cpu", "enable_progress_bar": False})
+    plain = run_calibration(**kw, calibration=CalibrationConfig(solver="stock"), output_dir=None)
+    scores = iter([1.0, 0.5])  # the guard keeps the re-fit of block 4
+    monkeypatch.setattr(K, "heldout_kl", lambda *a, **k: next(scores))
+    out = tmp_path / "run"
+    res = run_calibration(**kw, calibration=CalibrationConfig(solver="stock", refit_kept=1), output_dir=str(out))
+    assert res.report.refit["kept"] == [4]
+    a, b = plain.model.model.layers, res.model.model.layers
+    for i in range(len(a)):  # pruned position 2 = original block 4, the first kept after the span
+        assert all(torch.equal(p, q) for p, q in zip(a[i].parameters(), b[i].parameters())) == (i != 2), i
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and "auto_map" not in cfg and cfg["num_hidden_layers"] == 4
+    assert not (out / "modeling_shift.py").exists()
+    from safetensors.torch import load_file
+
+    assert load_file(str(out / "lra.safetensors")) == {}  # no adapter and no map: every weight is in model.safetensors
+    spec = json.loads((out / "shift_config.json").read_text())
+    assert spec["refit_blocks"] == [2] and spec["correction"] == "stock"
+    assert "A plain `llama` folder" in (out / "README.md").read_text()
+    ids = res.tokenizer("Round trip through a plain folder", return_tensors="pt").input_ids
+    loaded, _ = load_pretrained(out)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        mine, theirs, ref = (m(input_ids=ids, use_cache=False).logits for m in (loaded, hf, res.model))
+    assert torch.equal(mine, theirs) and torch.equal(theirs, ref)
