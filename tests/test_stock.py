@@ -16,10 +16,14 @@ from shift_lightning import load_pretrained
 from shift_lightning.arch import decoder_layers
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.checkpoint import save_pretrained
+from shift_lightning.criteria import PruneConfig
+from shift_lightning.data import TextDataConfig
 from shift_lightning.errors import ConfigError
-from shift_lightning.models import build_tiny_model
+from shift_lightning.models import ModelConfig, build_tiny_model
+from shift_lightning.recipes.calibrate import run_calibration
 from shift_lightning.surgery import apply_correction, remove_blocks
 
+from test_calibration import CORPUS
 from test_peers import Linear, _rand, _windows
 
 
@@ -178,7 +182,6 @@ def test_stock_adapter_only_folder_folds_the_maps_again_bit_for_bit(removed, tmp
     from dataclasses import asdict
 
     from shift_lightning.checkpoint import save_adapters
-    from shift_lightning.models import ModelConfig
 
     mcfg = ModelConfig(tiny={"family": "llama"}, dtype="float64")
     model, tok = load_pretrained(mcfg)
@@ -204,12 +207,8 @@ def test_stock_with_the_kept_block_refit_stays_a_plain_folder(tmp_path, monkeypa
     ``refit_blocks`` recorded — and ``AutoModelForCausalLM`` gives ``load_pretrained``'s logits, bit for bit,
     which are the in-memory model's. The re-fitted block differs from the same job without the re-fit."""
     import shift_lightning.keptfit as K
-    from shift_lightning.criteria import PruneConfig
-    from shift_lightning.data import TextDataConfig
-    from shift_lightning.models import ModelConfig
-    from shift_lightning.recipes.calibrate import run_calibration
-
-    from test_calibration import CORPUS
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     kw = dict(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
               heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[2, 3]),
@@ -226,16 +225,12 @@ def test_stock_with_the_kept_block_refit_stays_a_plain_folder(tmp_path, monkeypa
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "llama" and "auto_map" not in cfg and cfg["num_hidden_layers"] == 4
     assert not (out / "modeling_shift.py").exists()
-    from safetensors.torch import load_file
-
     assert load_file(str(out / "lra.safetensors")) == {}  # no adapter and no map: every weight is in model.safetensors
     spec = json.loads((out / "shift_config.json").read_text())
     assert spec["refit_blocks"] == [2] and spec["correction"] == "stock"
     assert "A plain `llama` folder" in (out / "README.md").read_text()
     ids = res.tokenizer("Round trip through a plain folder", return_tensors="pt").input_ids
     loaded, _ = load_pretrained(out)
-    from transformers import AutoModelForCausalLM
-
     hf = AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
         mine, theirs, ref = (m(input_ids=ids, use_cache=False).logits for m in (loaded, hf, res.model))
