@@ -44,6 +44,10 @@ class ModelConfig:
     """Passed to ``from_pretrained``; stays off unless you ask for it."""
     revision: str | None = None
     """Hub revision (commit/branch/tag) for hub ids."""
+    placement: Literal["auto", "memory", "onload"] = "auto"
+    """Where the weights live while calibrating: ``memory`` (all loaded), ``onload`` (built on the meta device, each
+    block read from the folder's safetensors files when the walk reaches it), ``auto`` (onload when the weights
+    would take over half of the free memory); ``docs/larger-than-memory.md``."""
 
 
 #: The default calibration text of calibrate.py / train.py (``--data.source``): wiki-summaries plus reading

@@ -281,6 +281,11 @@ def _load_hf(path: str, cfg: ModelConfig):
     from .weightfiles import check_finite, check_safetensors_files, refusing_pickles
 
     files = check_safetensors_files(path)  # cut or damaged files are named before transformers trips on them
+    from .placement import build_onloaded, resolve
+
+    local = Path(path).expanduser()
+    if resolve(cfg.placement, local if local.is_dir() else None, _DTYPES[cfg.dtype]) == "onload":
+        return build_onloaded(local, _DTYPES[cfg.dtype], cfg.trust_remote_code), tokenizer
     with refusing_pickles(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **kw)
     check_finite(model, path, files)
@@ -296,6 +301,9 @@ def load_model(cfg: ModelConfig | None = None, **kwargs):
     if cfg.dtype not in _DTYPES:
         raise ModelLoadError(f"Unknown dtype {cfg.dtype!r}; choose one of {list(_DTYPES)}")
     if cfg.tiny is not None:
+        if cfg.placement == "onload":
+            raise ModelLoadError("--model.placement onload reads a folder's safetensors files; a tiny model is built "
+                                 "in memory: save it first, or use --model.placement memory")
         tiny = dict(cfg.tiny)
         model, tokenizer = build_tiny_model(tiny.pop("family", "llama"), seed=cfg.seed,
                                       dtype=_DTYPES[cfg.dtype], **tiny)

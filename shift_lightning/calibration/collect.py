@@ -143,6 +143,7 @@ class Collector:
         self.flat = torch.zeros(0, dtype=torch.float64)
         self._mask: torch.Tensor | None = None
         self._windows: torch.Tensor | None = None
+        self._entry = 0
 
     def numel(self) -> int:
         nr, ns = RidgeStats.numel(self.dim), ChannelScaleStats.numel(self.dim)
@@ -217,73 +218,84 @@ class Collector:
                 io.yy.copy_(joint.yy)
                 io.scheme = joint.scheme
 
-    def batch(self, mask: torch.Tensor, windows: torch.Tensor | None) -> None:
-        """The current batch's real-token mask ``(B, T)`` and window indices ``(B,)``."""
-        self._mask, self._windows = mask, windows
+    def batch(self, mask: torch.Tensor, windows: torch.Tensor | None, entry: int = 0) -> None:
+        """The current batch's real-token mask ``(B, T)``, window indices ``(B,)`` and its place in the walk's cache
+        (a block-major walk runs block ``j`` on every batch before block ``j + 1``: what a hook keeps for a later
+        block is kept per batch)."""
+        self._mask, self._windows, self._entry = mask, windows, entry
 
     def install(self, model: nn.Module) -> list:
-        """Forward hooks that fill the statistics while ``model`` runs one batch; remove them after."""
+        """Forward hooks that fill the statistics while blocks run; remove them after. What a hook keeps for a
+        later block (a site's input, block ``start − 1``'s branch) is keyed by the batch (:meth:`batch`) and
+        dropped once the last site that needs it has its data."""
         blocks = decoder_layers(model)
-        inputs: dict[int, torch.Tensor] = {}
-        branch: dict[int, torch.Tensor] = {}
-        down_in: dict[int, torch.Tensor] = {}
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        branch: dict[tuple[int, int], torch.Tensor] = {}
+        down_in: dict[tuple[int, int], torch.Tensor] = {}
         by_end: dict[int, list[SiteStatistics]] = {}
         for st in self.stats.values():
             by_end.setdefault(st.site.end, []).append(st)
         last_end = max(by_end)
+        done_at: dict[int, int] = {}  # site start -> the last end of the sites starting there
+        for st in self.stats.values():
+            done_at[st.site.start] = max(done_at.get(st.site.start, 0), st.site.end)
         handles = []
         for start in sorted({st.site.start for st in self.stats.values()}):
             def pre(mod, args, kwargs, start=start):
-                inputs[start] = block_input(args, kwargs)
+                inputs[self._entry, start] = block_input(args, kwargs)
 
             handles.append(blocks[start].register_forward_pre_hook(pre, with_kwargs=True))
         for j in sorted({st.site.start - 1 for st in self.stats.values()
                          if st.branch is not None or st.rows is not None or st.joint is not None}):
             def on_branch(mod, args, output, j=j):
-                branch[j] = block_output(output)
+                branch[self._entry, j] = block_output(output)
 
             handles.append(mlp_branch(blocks[j]).register_forward_hook(on_branch))
         for j in sorted({st.site.start - 1 for st in self.stats.values() if st.down is not None}):
             def on_down(mod, args, j=j):
-                down_in[j] = args[0]
+                down_in[self._entry, j] = args[0]
 
             handles.append(blocks[j].mlp.down_proj.register_forward_pre_hook(on_down))
 
         for end, group in by_end.items():
             def post(mod, args, kwargs, output, group=group, end=end):
                 y = block_output(output)
-                m = self._mask
+                m, e = self._mask, self._entry
                 held_mask = None
                 if self.heldout_every and self._windows is not None:
                     k = self.heldout_every
                     held_mask = m & ((self._windows % k) == k - 1).to(m.device)[:, None]
                 for st in group:
-                    x = inputs[st.site.start]
+                    x = inputs[e, st.site.start]
                     delta = y - x
                     if st.io is not None and st.joint is None:  # with joint: a block of it (derive())
                         st.io.add_batch(x[m], delta[m])
                         if st.held_io is not None:
                             st.held_io.add_batch(x[held_mask], delta[held_mask])
                     if st.branch is not None:
-                        b = branch[st.site.start - 1]
+                        b = branch[e, st.site.start - 1]
                         st.branch.add_batch(b[m], delta[m])
                         if st.held_branch is not None:
                             st.held_branch.add_batch(b[held_mask], delta[held_mask])
                     if st.joint is not None:
-                        b = branch[st.site.start - 1]
+                        b = branch[e, st.site.start - 1]
                         st.joint.add_batch(torch.cat([x[m], b[m]], dim=1), delta[m])
                         if st.held_joint is not None:
                             st.held_joint.add_batch(torch.cat([x[held_mask], b[held_mask]], dim=1), delta[held_mask])
                     if st.down is not None:
-                        u = down_in[st.site.start - 1]
+                        u = down_in[e, st.site.start - 1]
                         st.down.add_batch(u[m], delta[m])
                         if st.held_down is not None:
                             st.held_down.add_batch(u[held_mask], delta[held_mask])
                     if st.scale is not None:
                         st.scale.add_batch(x, y, m)
                     if st.rows is not None:
-                        b = branch[st.site.start - 1]
+                        b = branch[e, st.site.start - 1]
                         st.rows.add(self._windows, b, b + delta, m)
+                for st in group:  # what no later site of this batch needs
+                    if done_at[st.site.start] == end:
+                        for kept in (inputs, branch, down_in):
+                            kept.pop((e, st.site.start - (kept is not inputs)), None)
                 if end == last_end:
                     raise StopForward
 

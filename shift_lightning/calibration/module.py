@@ -25,12 +25,14 @@ from ..arch import decoder_layers
 from ..data import TokenWindows, check_windows  # noqa: F401  (re-exported)
 from ..errors import ConfigError
 from ..passes import DataPass, sum_across_ranks
+from ..placement import placement_of
 from ..stats import Solution
-from .collect import Collector, SiteStatistics, StopForward
+from .collect import Collector, SiteStatistics
 from .config import CalibrationConfig
 from .auto import choose_fit
 from .guarding import GuardChoice
 from .maps import Correction, SpanMap, adapter_from, as_affine, assemble, chain
+from .pipeline import IndependentPass
 from .sequential import SequentialWalk
 from .sites import Site, make_sites, sites_in, span_sites
 from .solve import Job, solve_shared
@@ -48,7 +50,10 @@ class CalibrationModule(DataPass):
     def __init__(self, model: nn.Module, removed: list[int], cfg: CalibrationConfig | None = None,
                  solvers: list[str] | dict[str, dict] | None = None):
         super().__init__()
-        self.model = model
+        if placement_of(model).onloaded:  # a skeleton: its placement brings each block to the device, not Lightning
+            self.__dict__["model"] = model
+        else:
+            self.model = model
         self.cfg = cfg = cfg or CalibrationConfig()
         cfg.validate()
         self.solvers: dict[str, Solver] = self._configured(solvers if isinstance(solvers, dict)
@@ -78,6 +83,7 @@ class CalibrationModule(DataPass):
         self._adapters: dict[tuple[str, tuple[int, int]], nn.Module] = {}
         self._collector: Collector | None = None
         self._walk: SequentialWalk | None = None
+        self._pipe: IndependentPass | SequentialWalk | None = None
         self._on_site = None
         self.solve_seconds = 0.0
         self.fit_choice: dict | None = None  # mode auto: the held-out judgement of its fits
@@ -105,47 +111,45 @@ class CalibrationModule(DataPass):
 
     # ---------------------------------------------------------------- the pass (DataPass hooks)
     def begin(self):
-        if self._walk is None:
-            self._collector.allocate(self.device)  # allocated here: the module is on its device now
+        if self._collector is not None and self._walk is None:
+            self._collector.allocate(self.device)  # allocated here: on the pass's device
 
     def step(self, batch, batch_idx):
-        mask = batch["attention_mask"].bool()
-        if self._walk is not None:
-            return self._walk.cache_batch(batch, mask)
-        self._collector.batch(mask, batch.get("index"))
-        handles = self._collector.install(self.model)
-        try:
-            with torch.no_grad():
-                self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        except StopForward:
-            pass
-        finally:
-            for h in handles:
-                h.remove()
+        self._pipe.cache_batch(batch, batch["attention_mask"].bool(), self.device)
 
     def state(self) -> list[torch.Tensor]:
-        return [] if self._walk is not None else [self._collector.flat]  # ONE flat buffer, every site
+        return []  # the walk runs after the loop and all-reduces its own sums
 
-    def finish(self):
-        if self._walk is not None:  # still inside the predict loop: model on its device, process group alive
-            self._walk.walk(self.device, self._on_site, lambda t: sum_across_ranks(t, self.trainer))
+    def finish(self):  # still inside the predict loop: process group alive, batches cached
+        reduce = lambda t: sum_across_ranks(t, self.trainer)  # noqa: E731
+        bar = self.progress(f"{self.stage}, block by block", self._pipe.cache.last + 1)
+        try:
+            if self._walk is not None:
+                self._walk.walk(self.device, self._on_site, reduce, bar)
+            else:
+                self._pipe.walk(self.device, reduce, bar)
+        finally:
+            bar.close()
 
     def _collect(self, trainer, windows, batch_size, plan, stage, holdout=False):
         self._collector = Collector(self.dim, plan, self.cfg.accum_dtype, self.cfg.heldout_every if holdout else None,
                                     self.cfg.cosine_max_tokens, self.ffn_dim)
-        self.stage = stage
-        self.run(trainer, windows, batch_size)
+        self._pipe, self.stage = IndependentPass(self.model, self._collector), stage
+        try:
+            self.run(trainer, windows, batch_size)
+        finally:
+            self._pipe = None
         self._collector.derive()
         return self._collector.stats
 
     def _sequential(self, trainer, windows, batch_size, on_site, stage):
-        self._walk = SequentialWalk(self.model, self.sites, self.dim, self.cfg.accum_dtype, self.cfg.mode == "anchored",
-                                    "joint" in self.solvers[self.primary].needs)
+        self._walk = self._pipe = SequentialWalk(self.model, self.sites, self.dim, self.cfg.accum_dtype,
+                                                 self.cfg.mode == "anchored", "joint" in self.solvers[self.primary].needs)
         self._on_site, self.stage = on_site, stage
         try:
             self.run(trainer, windows, batch_size)
         finally:
-            self._walk = self._on_site = None
+            self._walk = self._pipe = self._on_site = None
 
     # ---------------------------------------------------------------- fitting
     def _targets(self, solver: Solver) -> list[Site]:

@@ -1,13 +1,12 @@
 """Sequential calibration, as GPTQ's ``llama_sequential`` runs it: each site fitted on the hidden
 states of the already corrected pruned model, every block run once.
 
-One caching pass (:meth:`SequentialWalk.cache_batch`, per batch) runs the model up to the first
-site and keeps the hidden state entering it plus every later block's call arguments (the blocks are
-stood in for by :class:`_Recorder`, which stops the forward after the last site). Then
-:meth:`SequentialWalk.walk` moves block after block over the cached batches: a kept block updates
-the states; a site accumulates its ``(x, Δ)`` statistics (one all-reduce per site, each depending on
-the previous solution), is solved, and its adapter updates the states. About one forward pass up to
-the last site in all, not one per site.
+One caching pass (:meth:`SequentialWalk.cache_batch`, per batch: :class:`~.pipeline.BlockCache`) runs
+the embedding and keeps the hidden state entering block 0 plus every block's call arguments. Then
+:meth:`SequentialWalk.walk` moves block after block over the cached batches, each block brought in once
+by the model's placement: a kept block updates the states; a site accumulates its ``(x, Δ)`` statistics
+(one all-reduce per site, each depending on the previous solution), is solved, and its adapter updates
+the states. About one forward pass up to the last site in all, not one per site.
 
 ``anchored`` (``--calibration.mode anchored``) also carries the original model's states through the
 same walk (every block, removed ones included) and fits each site to where the *original* is at the
@@ -30,26 +29,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..arch import block_output, decoder_layers, mlp_branch, swapped_blocks
+from ..arch import mlp_branch
 from ..stats import RidgeStats
-from .collect import SiteStatistics, StopForward
+from .collect import SiteStatistics
+from .pipeline import BlockCache
 from .sites import Site
-
-
-class _Recorder(nn.Module):
-    """Stands in for block ``j`` during the caching pass: records the call."""
-
-    def __init__(self, j: int, sink: dict, last: int):
-        super().__init__()
-        self.j, self.sink, self.last = j, sink, last
-
-    def forward(self, hidden_states, *args, **kwargs):
-        if "h" not in self.sink:
-            self.sink["h"] = hidden_states
-        self.sink[self.j] = (args, kwargs)
-        if self.j == self.last:
-            raise StopForward
-        return hidden_states
 
 
 class SequentialWalk:
@@ -59,60 +43,44 @@ class SequentialWalk:
                  joint: bool = False):
         self.model, self.sites, self.dim, self.accum = model, sorted(sites, key=lambda s: s.start), dim, accum_dtype
         self.anchored, self.joint = anchored, joint
-        self.cached: list[dict] = []
+        self.cache = BlockCache(model, max(s.end for s in self.sites) - 1)
 
-    def _branch_tap(self, j: int, sink: dict):
-        """Keep block ``j``'s MLP-branch output in ``sink["m"]`` (the handle to remove)."""
-        return mlp_branch(decoder_layers(self.model)[j]).register_forward_hook(
-            lambda mod, a, out: sink.__setitem__("m", out))
+    def _branch_tap(self, block: nn.Module, sink: dict):
+        """Keep ``block``'s MLP-branch output in ``sink["m"]`` (the handle to remove)."""
+        return mlp_branch(block).register_forward_hook(lambda mod, a, out: sink.__setitem__("m", out))
 
-    @torch.no_grad()
-    def cache_batch(self, batch: dict, mask: torch.Tensor) -> None:
-        first, last = self.sites[0].start, max(s.end for s in self.sites) - 1
-        sink: dict = {}
-        stubs = {j: _Recorder(j, sink, last) for j in range(first, last + 1)}
-        tapped: dict = {}
-        tap = self._branch_tap(first - 1, tapped) if self.joint and first >= 1 else None
-        with swapped_blocks(self.model, stubs):
-            try:
-                self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-            except StopForward:
-                pass
-            finally:
-                if tap is not None:
-                    tap.remove()
-        h = sink.pop("h")
-        # o: the original's states (anchored); m: the branch before the next site (joint)
-        self.cached.append({"h": h, "o": h, "calls": sink, "mask": mask, "m": tapped.get("m")})
+    def cache_batch(self, batch: dict, mask: torch.Tensor, device=None) -> None:
+        e = self.cache.cache_batch(batch, mask, device)
+        e["o"], e["m"] = e["h"], None  # o: the original's states (anchored); m: the branch before the next site (joint)
 
     @torch.no_grad()
     def walk(self, device, on_site: Callable[[Site, SiteStatistics], tuple[nn.Module, torch.Tensor | None]],
-             reduce: Callable[[list[torch.Tensor]], None]) -> None:
+             reduce: Callable[[list[torch.Tensor]], None], bar=None) -> None:
         """``on_site(site, statistics)`` gets each site's reduced statistics on the current states and
-        returns the adapter and the branch map ``T`` (or None) that then move the states on (every rank)."""
-        blocks = decoder_layers(self.model)
+        returns the adapter and the branch map ``T`` (or None) that then move the states on (every rank).
+        Each block is brought in once by the model's placement and run on every cached batch."""
+        placement, cached, run = self.cache.placement, self.cache.entries, self.cache.run
         site_at = {s.start: s for s in self.sites}
-        j, last = self.sites[0].start, max(s.end for s in self.sites)
-
-        def run_block(i, entry, h):
-            args, kwargs = entry["calls"][i]
-            return block_output(blocks[i](h, *args, **kwargs))
+        j, last = 0, max(s.end for s in self.sites)
 
         while j < last:
             site = site_at.get(j)
             if site is None:
-                tapped: dict = {}  # block j's branch on the corrected states, before a joint site
-                tap = self._branch_tap(j, tapped) if self.joint and (j + 1) in site_at else None
-                try:
-                    for e in self.cached:
-                        e["h"] = run_block(j, e, e["h"])
+                with placement.block(self.model, j, device) as block:
+                    tapped: dict = {}  # block j's branch on the corrected states, before a joint site
+                    tap = self._branch_tap(block, tapped) if self.joint and (j + 1) in site_at else None
+                    try:
+                        for e in cached:
+                            e["h"] = run(block, j, e, e["h"])
+                            if tap is not None:
+                                e["m"] = tapped["m"]
+                            if self.anchored:
+                                e["o"] = run(block, j, e, e["o"])
+                    finally:
                         if tap is not None:
-                            e["m"] = tapped["m"]
-                        if self.anchored:
-                            e["o"] = run_block(j, e, e["o"])
-                finally:
-                    if tap is not None:
-                        tap.remove()
+                            tap.remove()
+                if bar is not None:
+                    bar.step(extra=f"block {j}")
                 j += 1
                 continue
             flats = [torch.zeros(RidgeStats.numel(self.dim), dtype=torch.float64, device=device)]
@@ -122,24 +90,28 @@ class SequentialWalk:
                 flats.append(torch.zeros(RidgeStats.numel(2 * self.dim, self.dim), dtype=torch.float64, device=device))
                 stats.joint = RidgeStats(2 * self.dim, site.name + " [x, m]", accum_dtype=self.accum, buffer=flats[1],
                                          out_dim=self.dim)
-            for e in self.cached:
-                x, y = e["h"], e["o"] if self.anchored else e["h"]
-                for i in range(site.start, site.end):
-                    y = run_block(i, e, y)
-                m = e["mask"]
+            ys = [e["o"] if self.anchored else e["h"] for e in cached]
+            for i in range(site.start, site.end):  # the removed blocks, each brought in once for every batch
+                with placement.block(self.model, i, device) as block:
+                    ys = [run(block, i, e, y) for e, y in zip(cached, ys)]
+                if bar is not None:
+                    bar.step(extra=f"block {i}")
+            for e, y in zip(cached, ys):
+                x, m = e["h"], e["mask"]
                 stats.io.add_batch(x[m], (y - x)[m])
                 if joint:
                     stats.joint.add_batch(torch.cat([x[m], e["m"][m]], dim=1), (y - x)[m])
                 if self.anchored:
                     e["o"] = y
+            del ys
             reduce(flats)
             adapter, T = on_site(site, stats)
             adapter = adapter.to(device)
             shift = None if T is None else T - torch.eye(self.dim, dtype=T.dtype, device=T.device)
-            for e in self.cached:
+            for e in cached:
                 h = e["h"]
                 if shift is not None:  # ReplaceMe's half first: x' = x + m (T − I)
                     h = h + e["m"] @ shift.to(h)
                 e["h"] = adapter(h)
             j = site.end
-        self.cached = []
+        self.cache.entries = []

@@ -1,0 +1,130 @@
+"""Block-major calibration: every walk is a pipeline over cached windows, one registry (:data:`WALKS`).
+
+All walks run in one order (llm-compressor's sequential pipeline, GPTQ's ``llama_sequential``):
+
+1. **caching**, per batch inside the Lightning predict loop (:class:`BlockCache`): the embedding runs
+   once per window, every block is stood in for by a recorder, so each batch keeps the hidden state
+   entering block 0 and every block's call arguments (position embeddings, masks): a rank holds
+   ``windows × T × d`` hidden states (plus what a walk keeps beside them: a site's input while its span is
+   walked, the joint map's branch output, the anchored walk's original states);
+2. **the walk**, after the loop: block 0, then 1, …, up to the last removed block; each block is brought in
+   once by the model's placement (:mod:`shift_lightning.placement`: a no-op in memory, read from the
+   safetensors files when onloaded), run on all of this rank's windows, released.
+
+What a walk does at a block is its own (:data:`WALKS`, chosen by ``--calibration.mode``):
+
+``independent``  forward hooks (:class:`~.collect.Collector`) fill every site's statistics from the original
+                 model's states; ONE all-reduce after the walk; the solves (:meth:`CalibrationModule.solve`).
+``sequential``   each site fitted on the corrected pruned model's states as the walk reaches it
+                 (:class:`~.sequential.SequentialWalk`: one all-reduce and one shared solve per site).
+``anchored``     ``sequential``, each site fitted to the original's state at its end.
+``auto``         each fit of the solver made by the walks above on part of the windows, judged on the rest
+                 (:mod:`.auto`).
+
+The per-site sums of a window batch are the same products, added in the same order, as a batch-major
+forward pass would make: the maps do not depend on the placement or on this order, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..arch import block_output, decoder_layers, swapped_blocks
+from ..placement import placement_of
+from .collect import Collector, StopForward
+
+
+class _Recorder(nn.Module):
+    """Stands in for block ``j`` during the caching pass: records the call (the first one also the state)."""
+
+    def __init__(self, j: int, sink: dict, last: int):
+        super().__init__()
+        self.j, self.sink, self.last = j, sink, last
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if "h" not in self.sink:
+            self.sink["h"] = hidden_states
+        self.sink[self.j] = (args, kwargs)
+        if self.j == self.last:
+            raise StopForward
+        return hidden_states
+
+
+class BlockCache:
+    """One rank's cached windows: ``entries[k] = {"h": (B, T, d), "calls": {j: (args, kwargs)}, "mask": (B, T),
+    "index": (B,) window indices}``, and block ``j`` run on one of them (:meth:`run`)."""
+
+    def __init__(self, model: nn.Module, last: int):
+        self.model, self.last = model, last
+        self.placement = placement_of(model)
+        self.entries: list[dict] = []
+
+    @torch.no_grad()
+    def cache_batch(self, batch: dict, mask: torch.Tensor, device=None, taps: dict | None = None) -> dict:
+        """Run the embedding on ``batch`` with blocks ``0..last`` recorded, not run; returns the entry.
+        ``taps``: extra values to keep in the entry."""
+        sink: dict = {}
+        stubs = {j: _Recorder(j, sink, self.last) for j in range(self.last + 1)}
+        inner = self.model.model
+        with self.placement.piece(inner.embed_tokens, "model.embed_tokens.", device), \
+                swapped_blocks(self.model, stubs):
+            if self.placement.onloaded:
+                self._buffers_to(device)
+            try:
+                self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+            except StopForward:
+                pass
+        h = sink.pop("h")
+        entry = {"h": h, "calls": sink, "mask": mask, "index": batch.get("index"), **(taps or {})}
+        self.entries.append(entry)
+        return entry
+
+    def _buffers_to(self, device) -> None:
+        """The skeleton's real buffers (rotary frequencies) on the walk's device."""
+        if device is None:
+            return
+        for mod in self.model.modules():
+            for name, b in list(mod.named_buffers(recurse=False)):
+                if not b.is_meta and b.device != torch.device(device):
+                    mod._buffers[name] = b.to(device)
+
+    def run(self, block: nn.Module, j: int, entry: dict, h: torch.Tensor) -> torch.Tensor:
+        """Block ``j`` (``block``: the module, brought in) on one entry's state ``h``."""
+        args, kwargs = entry["calls"][j]
+        return block_output(block(h, *args, **kwargs))
+
+
+class IndependentPass:
+    """``independent`` statistics, block-major: :class:`~.collect.Collector`'s hooks on the original blocks while
+    the walk runs each block on every cached batch (the sums are those of a batch-major forward)."""
+
+    def __init__(self, model: nn.Module, collector: Collector):
+        self.model, self.collector = model, collector
+        self.last = max(site.end for site in collector.plan) - 1
+        self.cache = BlockCache(model, self.last)
+
+    def cache_batch(self, batch: dict, mask: torch.Tensor, device=None) -> None:
+        self.cache.cache_batch(batch, mask, device)
+
+    @torch.no_grad()
+    def walk(self, device, reduce, bar=None) -> None:
+        """Blocks ``0..last`` over every entry, then ONE all-reduce of every site's sums (``reduce``)."""
+        placement, col = self.cache.placement, self.collector
+        handles = col.install(self.model)
+        try:
+            for j in range(self.last + 1):
+                with placement.block(self.model, j, device) as block:
+                    for k, e in enumerate(self.cache.entries):
+                        col.batch(e["mask"], e["index"], k)
+                        try:
+                            e["h"] = self.cache.run(block, j, e, e["h"])
+                        except StopForward:
+                            pass
+                if bar is not None:
+                    bar.step(extra=f"block {j}")
+        finally:
+            for h in handles:
+                h.remove()
+        self.cache.entries = []
+        reduce([col.flat])
