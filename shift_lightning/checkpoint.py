@@ -70,6 +70,7 @@ def save_pretrained(model: nn.Module, tokenizer, out_dir: str | Path, spec: Shif
     maps gets ``modeling_shift.py`` and a marked ``config.json`` (:func:`~shift_lightning.remote_code.mark_folder`)."""
     from safetensors.torch import save_file
 
+    from .placement import placement_of, save_streamed
     from .remote_code import MODELING_FILE, mark_folder
 
     spec = _as_spec(spec)
@@ -87,7 +88,10 @@ def save_pretrained(model: nn.Module, tokenizer, out_dir: str | Path, spec: Shif
             elif name.startswith(key + "map."):
                 state.pop(name)
         tensors[f"branch.{i}.weight"] = bm.map.weight.detach().contiguous().cpu()
-    model.save_pretrained(out, state_dict=state)
+    if placement_of(model).onloaded:  # a skeleton: the kept blocks streamed from the source files
+        save_streamed(model, state, out)
+    else:
+        model.save_pretrained(out, state_dict=state)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     save_file(tensors, str(out / LRA_WEIGHTS), metadata={"format": "pt"})

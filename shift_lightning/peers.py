@@ -167,7 +167,8 @@ class BranchMap(nn.Module):
         super().__init__()
         self.norm = norm
         p = next(norm.parameters())
-        self.map = nn.Linear(T.shape[0], T.shape[0], bias=False, dtype=p.dtype, device=p.device)
+        dev = T.device if p.is_meta else p.device  # an onloaded skeleton's norm is meta until read: the map is not
+        self.map = nn.Linear(T.shape[0], T.shape[0], bias=False, dtype=p.dtype, device=dev)
         with torch.no_grad():
             self.map.weight.copy_(T.T)
 

@@ -38,6 +38,7 @@ from .errors import ConfigError
 log = logging.getLogger(__name__)
 
 PLACEMENTS = ("auto", "memory", "onload")
+_STORED_SIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}
 
 
 class InMemory:
@@ -75,6 +76,8 @@ class Onloaded:
         self.files = weight_index(self.folder)
         self.sources = [f"model.layers.{i}." for i in range(num_layers)]
         self._open: dict[str, object] = {}
+        self._loaded: dict[int, set[str]] = {}
+        self.folds: dict[str, list] = {}
         self.bytes_read = 0
 
     def _handle(self, file: str):
@@ -84,36 +87,64 @@ class Onloaded:
             self._open[file] = safe_open(str(self.folder / file), framework="pt", device="cpu")
         return self._open[file]
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """One stored tensor, as stored (no cast)."""
+    def _stored_name(self, name: str) -> str:
+        """The file's name of a parameter: a map wrapped around a norm (``BranchMap``) keeps the norm's name."""
         if name not in self.files:
+            plain = name.replace("post_feedforward_layernorm.norm.", "post_feedforward_layernorm.")
+            if plain in self.files:
+                return plain
             raise ModelLoadError(f"{self.folder}: no tensor {name!r} in its safetensors files; the folder does not "
                                  "match its config.json")
-        t = self._handle(self.files[name]).get_tensor(name)
-        self.bytes_read += t.numel() * t.element_size()
-        return t
+        return name
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None, device=None, chunk: int = 1 << 26) -> torch.Tensor:
+        """One stored tensor, cast to ``dtype`` on ``device``; a large one is cast a few rows at a time from the
+        memory-mapped file (no full copy in the stored dtype beside the cast one)."""
+        name = self._stored_name(name)
+        sl = self._handle(self.files[name]).get_slice(name)
+        shape = sl.get_shape()
+        dtype, device = dtype or self.dtype, torch.device(device or "cpu")
+        if len(shape) < 2 or math.prod(shape) <= chunk:
+            out = sl[:].to(device=device, dtype=dtype)
+        else:
+            out = torch.empty(shape, dtype=dtype, device=device)
+            rows = max(1, chunk // math.prod(shape[1:]))
+            for r in range(0, shape[0], rows):
+                out[r:r + rows] = sl[r:r + rows].to(device=device, dtype=dtype)
+        self.bytes_read += math.prod(shape) * _STORED_SIZE.get(sl.get_dtype(), 4)
+        return out
 
     def load(self, module: nn.Module, prefix: str, device=None) -> None:
-        """Read ``module``'s parameters (``prefix + name``) into it, cast and on ``device``."""
+        """Read ``module``'s meta parameters (``prefix + name`` in the files) into it, cast, on ``device``; then
+        the folds registered for ``prefix`` (:meth:`after_load`) change them as surgery changed the skeleton."""
         from accelerate.utils import set_module_tensor_to_device
 
         device = torch.device(device or "cpu")
         for name, p in list(module.named_parameters()):
-            t = self.tensor(prefix + name)
+            if not p.is_meta:  # a map the repair added (e.g. ReplaceMe's around a norm): not in the files
+                continue
+            t = self.tensor(prefix + name, device=device)
             if tuple(t.shape) != tuple(p.shape):
                 raise ModelLoadError(f"{self.folder}: {prefix + name} has shape {tuple(t.shape)}, the model "
                                      f"expects {tuple(p.shape)}")
-            set_module_tensor_to_device(module, name, device, value=t, dtype=self.dtype)
+            set_module_tensor_to_device(module, name, device, value=t)
+            self._loaded.setdefault(id(module), set()).add(name)
         for name, b in list(module.named_buffers()):  # rotary frequencies etc. are real: move them along
             if b.device != device and not b.is_meta:
                 set_module_tensor_to_device(module, name, device)
+        for fold in self.folds.get(prefix, []):
+            fold(module)
 
-    @staticmethod
-    def release(module: nn.Module) -> None:
-        """Free ``module``'s parameters (back on the meta device)."""
+    def after_load(self, prefix: str, fold) -> None:
+        """Run ``fold(module)`` each time the piece stored under ``prefix`` is read (a weight fold surgery applied
+        to the skeleton, where it changed nothing: ReplaceMe's map or the stock repair in a ``down_proj``)."""
+        self.folds.setdefault(prefix, []).append(fold)
+
+    def release(self, module: nn.Module) -> None:
+        """Free what :meth:`load` read into ``module`` (back on the meta device)."""
         from accelerate.utils import set_module_tensor_to_device
 
-        for name, _ in list(module.named_parameters()):
+        for name in self._loaded.pop(id(module), ()):
             set_module_tensor_to_device(module, name, "meta")
 
     @contextlib.contextmanager
@@ -219,3 +250,88 @@ def build_onloaded(folder: Path, dtype: torch.dtype, trust_remote_code: bool = F
     model.eval()
     model.shift_placement = Onloaded(folder, dtype, len(decoder_layers(model)))
     return model
+
+
+# --------------------------------------------------------------------------------------------
+# Saving an onloaded model: its weights streamed from the source files, one piece at a time
+# --------------------------------------------------------------------------------------------
+_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+             torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL"}
+
+
+def write_safetensors(path: Path, layout: list[tuple[str, tuple, torch.dtype]], values, metadata: dict) -> None:
+    """Write a safetensors file whose header (``layout``: name, shape, dtype in file order) is known before its
+    tensors: ``values`` yields ``(name, tensor)`` in that order, each written and dropped, so the file is
+    never held in memory whole."""
+    import struct
+
+    header: dict = {"__metadata__": metadata}
+    off = 0
+    for name, shape, dtype in layout:
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for (name, shape, dtype), (got, t) in zip(layout, values, strict=True):
+            if got != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise RuntimeError(f"streamed tensor {got} {tuple(t.shape)} {t.dtype} where the header has {name} "
+                                   f"{tuple(shape)} {dtype}")
+            f.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def save_streamed(model: nn.Module, state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int = 5 << 30) -> None:
+    """Write ``state`` (names and meta tensors of an onloaded, pruned, repaired skeleton, as ``save_pretrained``
+    would save them) as HF safetensors files in ``out``: each kept block read from the source files, its folds
+    applied, written and released; one ``model.safetensors``, or shards of at most ``max_shard_bytes`` (a block
+    is never split) with ``model.safetensors.index.json``. Peak memory: one block (or one top-level tensor)."""
+    pl: Onloaded = placement_of(model)
+    pieces: list[tuple[int | None, list[str]]] = []  # (block or None, names), in the state's order
+    for k in state:
+        blk = int(k.split(".")[2]) if k.startswith("model.layers.") else None
+        if pieces and blk is not None and pieces[-1][0] == blk:
+            pieces[-1][1].append(k)
+        else:
+            pieces.append((blk, [k]))
+
+    def nbytes(names):
+        return sum(state[k].numel() * state[k].element_size() for k in names)
+
+    shards: list[list[tuple[int | None, list[str]]]] = [[]]
+    for piece in pieces:
+        if shards[-1] and sum(nbytes(n) for _, n in shards[-1]) + nbytes(piece[1]) > max_shard_bytes:
+            shards.append([])
+        shards[-1].append(piece)
+
+    def values(shard):
+        for blk, names in shard:
+            if blk is None:
+                for k in names:
+                    yield k, pl.tensor(k, dtype=state[k].dtype)
+                continue
+            with pl.block(model, blk) as block:
+                sd = block.state_dict()
+                prefix = f"model.layers.{blk}."
+                for k in names:
+                    local = k[len(prefix):]
+                    if local not in sd:  # the norm inside ReplaceMe's map (Gemma3) is saved under its own name
+                        local = local.replace("post_feedforward_layernorm.", "post_feedforward_layernorm.norm.")
+                    yield k, sd[local].to(state[k].dtype)
+
+    n = len(shards)
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        layout = [(k, tuple(state[k].shape), state[k].dtype) for _, names in shard for k in names]
+        write_safetensors(out / file, layout, values(shard), {"format": "pt"})
+        weight_map.update({k: file for k, _, _ in layout})
+    if n > 1:
+        total = sum(nbytes(names) for _, names in pieces)
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(out)

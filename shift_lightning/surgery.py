@@ -52,6 +52,9 @@ def remove_blocks(model: nn.Module, layers: list[int]) -> list[int]:
     if getattr(cfg, "layer_types", None) is not None:
         cfg.layer_types = [cfg.layer_types[i] for i in keep]
     cfg.num_hidden_layers = len(keep)
+    placement = getattr(model, "shift_placement", None)
+    if placement is not None and placement.onloaded:  # the kept blocks' weights stay under their original names
+        placement.pruned(keep)
     for new_idx, block in enumerate(model.model.layers):
         for mod in block.modules():
             if hasattr(mod, "layer_idx"):
@@ -113,8 +116,8 @@ def attach_adapters(model: nn.Module, adapters: dict[int, nn.Module]) -> Adapter
     detach_adapters(model)
     container = AdapterSet()
     p = next(model.parameters())
-    for pos in sorted(adapters):
-        container.sites[str(pos)] = adapters[pos].to(device=p.device)
+    for pos in sorted(adapters):  # on the model's device (an onloaded skeleton's are meta: the adapters stay real)
+        container.sites[str(pos)] = adapters[pos] if p.is_meta else adapters[pos].to(device=p.device)
     model.model.shift_adapters = container
     for pos in sorted(adapters):
         _hook_target(model, pos).register_forward_pre_hook(_ApplyAdapter(container, str(pos)), with_kwargs=True)
@@ -139,18 +142,34 @@ def apply_correction(model: nn.Module, correction, original_num_layers: int, rem
     """Put a calibration ``correction`` (:class:`~shift_lightning.calibration.maps.Correction`) into the
     already pruned ``model``: attach its adapters and fold its ReplaceMe maps (``branch_maps``,
     keyed by original block index) into the kept blocks they belong to."""
+    from .placement import placement_of
+
     attach_adapters(model, correction.adapters)
     kept = [i for i in range(original_num_layers) if i not in set(removed)]
     blocks = decoder_layers(model)
+    placement = placement_of(model)
+
+    def fold(pos: int, fn) -> None:  # onloaded: the skeleton's weights are meta; fold each time the block is read
+        if placement.onloaded:
+            placement.after_load(placement.sources[pos], fn)
+        else:
+            fn(blocks[pos])
+
     for orig, T in sorted(correction.branch_maps.items()):
         if orig not in kept:
             raise SurgeryError(f"ReplaceMe map for block {orig}, which was removed")
-        fold_replaceme(blocks[kept.index(orig)], T)
+        if hasattr(blocks[kept.index(orig)], "post_feedforward_layernorm"):  # a map around the norm: structural
+            fold_replaceme(blocks[kept.index(orig)], T)
+        else:
+            fold(kept.index(orig), lambda block, T=T: fold_replaceme(block, T))
     for orig, (W, b) in sorted(getattr(correction, "down_maps", {}).items()):
         if orig not in kept:
             raise SurgeryError(f"down_proj map for block {orig}, which was removed")
-        fold_down(model, blocks[kept.index(orig)], W, b)
+        fold(kept.index(orig), lambda block, W=W, b=b: fold_down(model, block, W, b))
     if getattr(correction, "embedding", None) is not None:
+        if placement.onloaded:
+            raise SurgeryError("the stock repair of a span at block 0 folds into the embedding table, which an onloaded "
+                               "run does not rewrite: use --model.placement memory, or keep block 0")
         fold_embedding(model, *correction.embedding)
 
 

@@ -36,8 +36,31 @@ def _windows(tok, n=8, seq_len=64, packing=False):
     return build_windows(TextDataConfig(source=CORPUS, num_samples=n, seq_len=seq_len, packing=packing), tok)
 
 
+class BlockTap:
+    """What a stand-in block reads of an earlier block ``j``: the value a hook inside block ``j`` saw (its MLP
+    branch's output, or the input of its ``down_proj`` with ``pre=True``), looked up by block ``j``'s output, which
+    is the next block's input. Found in any order of blocks and batches: the walks run block ``j`` on every batch
+    before block ``j + 1``."""
+
+    def __init__(self, block: nn.Module, inner: nn.Module, pre: bool = False):
+        self.values, self._last = {}, None
+        if pre:
+            inner.register_forward_pre_hook(lambda mod, a: setattr(self, "_last", a[0]))
+        else:
+            inner.register_forward_hook(lambda mod, a, out: setattr(self, "_last", out))
+        block.register_forward_hook(lambda mod, a, out: self.values.__setitem__(
+            self.key(out[0] if isinstance(out, tuple) else out), self._last))
+
+    @staticmethod
+    def key(h: torch.Tensor) -> tuple:
+        return tuple(h.shape), float(h.double().sum()), float(h.reshape(-1)[::7].double().square().sum())
+
+    def __getitem__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.values[self.key(h)]
+
+
 class Linear(nn.Module):
-    """A stand-in block that is exactly ``y = x Aᵀ + c`` (plus ``m Bᵀ`` if it reads a branch)."""
+    """A stand-in block that is exactly ``y = x Aᵀ + c`` (plus ``m Bᵀ`` if it reads a branch: a :class:`BlockTap`)."""
 
     def __init__(self, A, c=None, branch=None, B=None):
         super().__init__()
@@ -48,7 +71,7 @@ class Linear(nn.Module):
         if self.c is not None:
             y = y + self.c.to(hidden_states)
         if self.branch is not None:
-            y = y + self.branch["m"] @ self.B.T.to(hidden_states)
+            y = y + self.branch[hidden_states] @ self.B.T.to(hidden_states)
         return y
 
 
@@ -121,8 +144,7 @@ def test_replaceme_recovers_a_span_linear_in_the_mlp_branch_and_folds_exactly(ti
     d = model.config.hidden_size
     T0 = torch.eye(d, dtype=torch.float64) + _rand(d, 7, 0.3)
     blocks = decoder_layers(model)
-    shared = {}
-    mlp_branch(blocks[1]).register_forward_hook(lambda mod, a, out: shared.__setitem__("m", out))
+    shared = BlockTap(blocks[1], mlp_branch(blocks[1]))
     # blocks 2, 3 together add m (T0 - I): exactly what ReplaceMe's folded map reproduces
     blocks[2] = Linear(torch.eye(d, dtype=torch.float64), branch=shared, B=(T0 - torch.eye(d, dtype=torch.float64)).T)
     blocks[3] = Linear(torch.eye(d, dtype=torch.float64))
@@ -191,8 +213,7 @@ def _joint_span_model(family, rank=None):
         A0 = U[:, :rank] @ torch.diag(S[:rank]) @ Vh[:rank]
     c0 = 0.1 * torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     blocks = decoder_layers(model)
-    shared = {}
-    mlp_branch(blocks[1]).register_forward_hook(lambda mod, a, out: shared.__setitem__("m", out))
+    shared = BlockTap(blocks[1], mlp_branch(blocks[1]))
     blocks[2] = Linear(eye + A0, c0, branch=shared, B=B0)
     blocks[3] = Linear(eye)
     return model, tok
@@ -399,8 +420,7 @@ def test_guard_chooses_by_heldout_closeness_and_refits_on_all_windows(tiny):
     T0 = eye + _rand(d, 7, 0.3)
     blocks = decoder_layers(model)
     blocks[1] = Linear(eye + _rand(d, 5), 0.5 * torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(4)))
-    shared = {}
-    mlp_branch(blocks[3]).register_forward_hook(lambda mod, a, out: shared.__setitem__("m", out))
+    shared = BlockTap(blocks[3], mlp_branch(blocks[3]))
     blocks[4] = Linear(eye, branch=shared, B=(T0 - eye).T)
     win = _windows(tok, n=12)
     mod = CalibrationModule(model, [1, 4], CalibrationConfig(damping=1e-8, guard_path=[1e-8, 1e-2, 1.0]),

@@ -24,7 +24,7 @@ from shift_lightning.recipes.calibrate import run_calibration
 from shift_lightning.surgery import apply_correction, remove_blocks
 
 from test_calibration import CORPUS
-from test_peers import Linear, _rand, _windows
+from test_peers import BlockTap, Linear, _rand, _windows
 
 
 def _trainer():
@@ -46,7 +46,7 @@ class DownLinear(nn.Module):
         self.shared, self.C0, self.c0 = shared, C0, c0
 
     def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states + self.shared["u"] @ self.C0.T.to(hidden_states) + self.c0.to(hidden_states)
+        return hidden_states + self.shared[hidden_states] @ self.C0.T.to(hidden_states) + self.c0.to(hidden_states)
 
 
 def _down_span_model(family):
@@ -57,8 +57,7 @@ def _down_span_model(family):
     C0 = 0.5 * torch.randn(d, f, generator=g, dtype=torch.float64)
     c0 = torch.zeros(d, dtype=torch.float64)
     blocks = decoder_layers(model)
-    shared = {}
-    blocks[1].mlp.down_proj.register_forward_pre_hook(lambda mod, a: shared.__setitem__("u", a[0]))
+    shared = BlockTap(blocks[1], blocks[1].mlp.down_proj, pre=True)
     blocks[2] = DownLinear(shared, C0, c0)
     blocks[3] = Linear(torch.eye(d, dtype=torch.float64))
     return model, tok

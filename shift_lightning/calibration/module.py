@@ -110,10 +110,6 @@ class CalibrationModule(DataPass):
         return [n for n in self.requested if isinstance(self.solvers[n], Guarded)]
 
     # ---------------------------------------------------------------- the pass (DataPass hooks)
-    def begin(self):
-        if self._collector is not None and self._walk is None:
-            self._collector.allocate(self.device)  # allocated here: on the pass's device
-
     def step(self, batch, batch_idx):
         self._pipe.cache_batch(batch, batch["attention_mask"].bool(), self.device)
 
@@ -126,7 +122,8 @@ class CalibrationModule(DataPass):
         try:
             if self._walk is not None:
                 self._walk.walk(self.device, self._on_site, reduce, bar)
-            else:
+            else:  # the sums are allocated once the windows are cached (an onloaded embedding is released then)
+                self._collector.allocate(self.device)
                 self._pipe.walk(self.device, reduce, bar)
         finally:
             bar.close()
@@ -204,6 +201,10 @@ class CalibrationModule(DataPass):
         for job, sol in zip(jobs, solve_shared(jobs, self.dim, self.stats_device)):
             self._store(job.solver, job.site, sol, job.stats)
         return self.sites
+
+    def drop_statistics(self) -> None:
+        """Free the statistics (d² float64 sums per site) once the maps are fitted and measured."""
+        self.statistics, self._collector = {}, None
 
     def _store(self, solver: Solver, site: Site, sol: Solution, stats: SiteStatistics) -> None:
         self.solutions[solver.key][site.key] = sol

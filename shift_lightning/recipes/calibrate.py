@@ -29,6 +29,7 @@ from ..config import default_heldout
 from ..errors import ConfigError
 from ..models import ModelConfig, num_params
 from ..outputs import prepare_output, publish_dir
+from ..placement import placement_of
 from ..progress import with_stage_progress
 from ..reports import CalibrationReport
 from ..stopping import with_signal_guard
@@ -78,6 +79,29 @@ def check_early(prune: PruneConfig, data: TextDataConfig, calibration: Calibrati
     if heldout is not None and calibration.heldout:
         heldout.validate("--heldout", optional=True)
     calibration.validate()
+
+
+#: Criteria that choose without a pass over the model (an onloaded run may use them).
+ONLOAD_CRITERIA = ("reverse_star", "reverse", "random")
+
+
+def check_onloadable(prune: PruneConfig, calibration: CalibrationConfig, evaluate, save_model) -> None:
+    """Before any pass: what an onloaded run (``--model.placement onload``) cannot do yet, each named with its fix."""
+    fix = "or load the model whole with --model.placement memory"
+    if prune.layers is None and prune.criterion not in ONLOAD_CRITERIA:
+        raise ConfigError(f"--prune.criterion {prune.criterion} scores blocks with passes over the whole model; an "
+                          f"onloaded run selects with {', '.join(ONLOAD_CRITERIA)} or --prune.layers: choose one, {fix}")
+    if calibration.mode == "auto" or calibration.solver == "guarded":
+        what = "--calibration.mode auto" if calibration.mode == "auto" else "--calibration.solver guarded"
+        raise ConfigError(f"{what} judges its maps by the logits of the whole model on held-out windows; onloaded, use "
+                          f"--calibration.mode independent, sequential or anchored with another solver, {fix}")
+    if calibration.refit_kept:
+        raise ConfigError(f"--calibration.refit_kept re-fits kept blocks against a copy of the original model; "
+                          f"onloaded, set it to 0, {fix}")
+    if evaluate is not None and (evaluate.tasks or evaluate.ppl):
+        raise ConfigError("The evaluation after calibration runs the whole model; onloaded, switch it off "
+                          "(--evaluate.ppl '' --evaluate.tasks '') and evaluate the saved folder with evaluate.py, "
+                          + fix)
 
 
 def local_inputs(model: ModelConfig | None, **sets: TextDataConfig | None) -> dict[str, str]:
@@ -152,6 +176,8 @@ def run_calibration(
     lm, tokenizer = built if built is not None else load_pretrained(model_cfg)
     if tokenizer is None:
         raise ConfigError("The model has no tokenizer; calibration needs one to tokenise the data")
+    if placement_of(lm).onloaded:
+        check_onloadable(prune, calibration, evaluate, save_model)
     n_layers = len(decoder_layers(lm))
     if prune.layers is not None:  # index checks need the model's depth, but not the data
         check_layers(list(prune.layers), n_layers)
@@ -187,6 +213,7 @@ def run_calibration(
     module = CalibrationModule(lm, selection.layers, calibration)
     if selection.layers:
         module.calibrate(make_trainer(), windows, heldout_windows, batch_size=data.batch_size, check=False)
+    module.drop_statistics()
     correction = module.correction() if selection.layers else Correction(calibration.solver)
     adapters = correction.adapters
     for note in correction.notes:

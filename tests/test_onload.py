@@ -1,0 +1,220 @@
+"""Onloaded calibration (``--model.placement onload``): the model built on the meta device, each block read from
+the folder's safetensors files when the block-major walk reaches it. The maps and the saved folder must be
+those of the same run with the model in memory."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shift_lightning.calibration import CalibrationConfig, CalibrationModule
+from shift_lightning.criteria import PruneConfig
+from shift_lightning.data import TextDataConfig, build_windows
+from shift_lightning.errors import ConfigError, ShiftError
+from shift_lightning.models import ModelConfig, build_tiny_model, load_model
+from shift_lightning.placement import Onloaded, placement_of, write_safetensors
+from shift_lightning.recipes.calibrate import run_calibration
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = str(ROOT / "tests" / "data" / "tiny_corpus.txt")
+HELDOUT = str(ROOT / "tests" / "data" / "tiny_heldout.txt")
+
+
+def _trainer():
+    return L.Trainer(accelerator="cpu", devices=1, inference_mode=False, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Tiny Llama and Gemma3 models saved as HF folders (sharded for Llama: the index is read too)."""
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for fam in ("llama", "gemma3"):
+        model, tok = build_tiny_model(fam, num_hidden_layers=6, max_position_embeddings=512)
+        model.save_pretrained(root / fam, max_shard_size="40KB" if fam == "llama" else "5GB")
+        tok.save_pretrained(root / fam)
+        out[fam] = root / fam
+    assert (out["llama"] / "model.safetensors.index.json").exists()
+    return out
+
+
+def _maps(module: CalibrationModule) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, sols in module.solutions.items():
+        for key, sol in sols.items():
+            for f in ("W", "b", "U", "V", "T"):
+                t = getattr(sol, f, None)
+                if t is not None:
+                    out[f"{name}/{key}/{f}"] = t
+    return out
+
+
+CASES = [("lra", "independent", "block"), ("lra", "sequential", "block"), ("lra", "anchored", "span"),
+         ("lra_replaceme", "independent", "block"), ("lra_replaceme", "sequential", "block"),
+         ("lra_replaceme", "anchored", "block"), ("nobias", "independent", "block"),
+         ("replaceme", "independent", "block"), ("replaceme_cosine", "independent", "block"),
+         ("linearpatch", "independent", "block"), ("stock", "independent", "block")]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_onloaded_maps_equal_in_memory_bit_for_bit(folders, family):
+    """Every walk and every product solver (guarded and mode auto are refused onloaded: see below): the same
+    maps, the same calibration and held-out errors, with the blocks read one at a time from the files."""
+    mem, tok = load_model(ModelConfig(name_or_path=str(folders[family]), placement="memory"))
+    w = build_windows(TextDataConfig(source=CORPUS, num_samples=8, seq_len=48), tok)
+    h = build_windows(TextDataConfig(source=HELDOUT, num_samples=4, seq_len=48), tok)
+    for solver, mode, gran in CASES:
+        if family == "gemma3" and solver == "stock":
+            continue  # Llama layout only
+        cfg = CalibrationConfig(solver=solver, mode=mode, granularity=gran, cosine_epochs=1)
+        onl, _ = load_model(ModelConfig(name_or_path=str(folders[family]), placement="onload"))
+        assert isinstance(placement_of(onl), Onloaded) and all(p.is_meta for p in onl.parameters())
+        a = CalibrationModule(copy.deepcopy(mem), [1, 2, 4], cfg)
+        a.calibrate(_trainer(), w, h, batch_size=3)
+        b = CalibrationModule(onl, [1, 2, 4], cfg)
+        b.calibrate(_trainer(), w, h, batch_size=3)
+        ma, mb = _maps(a), _maps(b)
+        assert ma.keys() == mb.keys() and ma, (solver, mode)
+        for k in ma:
+            assert torch.equal(ma[k], mb[k]), (solver, mode, k)
+        assert a.site_reports() == b.site_reports(), (solver, mode)
+        assert all(p.is_meta for p in onl.parameters())  # every block released after the walk
+        # every block up to the last removed one read once per pass (calibration + held-out), the head never
+        read, blocks = placement_of(onl).bytes_read, sum(p.numel() * 4 for p in decoder_layers_of(mem)[:5].parameters())
+        assert blocks <= read, (solver, mode)
+
+
+def decoder_layers_of(model):
+    return model.model.layers
+
+
+def _run(folder, placement, out, solver="lra_replaceme", layers=(1, 2, 4), **kw):
+    return run_calibration(model=ModelConfig(name_or_path=str(folder), placement=placement),
+                           data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
+                           heldout=TextDataConfig(source=HELDOUT, num_samples=4, seq_len=48),
+                           prune=PruneConfig(layers=list(layers)), calibration=CalibrationConfig(solver=solver, **kw),
+                           trainer=dict(accelerator="cpu", enable_progress_bar=False), output_dir=str(out))
+
+
+def _assert_same_folder(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        if name.endswith(".safetensors"):
+            ta, tb = load_file(a / name), load_file(b / name)
+            assert ta.keys() == tb.keys()
+            for k in ta:
+                assert torch.equal(ta[k], tb[k]), (name, k)
+        elif name == "calibration_report.json":
+            ra, rb = json.loads((a / name).read_text()), json.loads((b / name).read_text())
+            ra.pop("seconds"), rb.pop("seconds")
+            assert ra == rb
+        elif name not in (".shift_lightning.json", "calibration_report.md"):  # fingerprints, times
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("family,solver", [("llama", "lra_replaceme"), ("llama", "stock"), ("gemma3", "lra_replaceme"),
+                                           ("llama", "lra")])
+def test_onloaded_run_saves_the_same_folder(folders, tmp_path, family, solver):
+    """The whole calibrate job onloaded: the pruned model is written by streaming the kept blocks from the source
+    files (ReplaceMe's map and the stock repair folded as each block is read): the folder equals the in-memory run's
+    file for file (tensors equal, config and record byte for byte), and loads with the same logits."""
+    from shift_lightning import load_pretrained
+
+    _run(folders[family], "memory", tmp_path / "mem", solver)
+    _run(folders[family], "onload", tmp_path / "onl", solver)
+    _assert_same_folder(tmp_path / "mem", tmp_path / "onl")
+    ids = torch.randint(0, 256, (2, 20))
+    a, _ = load_pretrained(str(tmp_path / "mem"))
+    b, _ = load_pretrained(str(tmp_path / "onl"))
+    assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
+
+
+def test_streamed_save_shards_a_large_model(folders, tmp_path):
+    """Past the shard size the weights are written as HF shards with an index, a block never split, and
+    ``from_pretrained`` reads them."""
+    from transformers import AutoModelForCausalLM
+
+    from shift_lightning.placement import save_streamed
+    from shift_lightning.surgery import remove_blocks
+
+    onl, _ = load_model(ModelConfig(name_or_path=str(folders["llama"]), placement="onload"))
+    remove_blocks(onl, [2, 3])
+    save_streamed(onl, dict(onl.state_dict()), tmp_path, max_shard_bytes=60_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 2
+    for p in range(4):  # each block in one file
+        assert len({f for k, f in index["weight_map"].items() if k.startswith(f"model.layers.{p}.")}) == 1
+    got = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(folders["llama"])
+    remove_blocks(ref, [2, 3])
+    for (k, v), (k2, v2) in zip(got.state_dict().items(), ref.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2), k
+
+
+def test_write_safetensors_refuses_a_tensor_out_of_order(tmp_path):
+    layout = [("a", (2,), torch.float32), ("b", (3,), torch.float32)]
+    with pytest.raises(RuntimeError, match="where the header has a"):
+        write_safetensors(tmp_path / "x.safetensors", layout, iter([("b", torch.zeros(3)), ("a", torch.zeros(2))]), {})
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(prune=PruneConfig(criterion="angular", ratio=0.3)), "--prune.criterion angular scores blocks"),
+    (dict(calibration=CalibrationConfig(mode="auto")), "--calibration.mode auto judges"),
+    (dict(calibration=CalibrationConfig(solver="guarded")), "--calibration.solver guarded judges"),
+    (dict(calibration=CalibrationConfig(refit_kept=1)), "--calibration.refit_kept re-fits"),
+])
+def test_what_an_onloaded_run_cannot_do_is_refused_before_any_pass(folders, tmp_path, overrides, match):
+    kw = dict(model=ModelConfig(name_or_path=str(folders["llama"]), placement="onload"),
+              data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48), prune=PruneConfig(layers=[1, 2]),
+              trainer=dict(accelerator="cpu", enable_progress_bar=False), output_dir=str(tmp_path / "out"))
+    with pytest.raises(ConfigError, match=match) as e:
+        run_calibration(**{**kw, **overrides})
+    assert "--model.placement memory" in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_onload_needs_a_safetensors_folder(tmp_path):
+    with pytest.raises(ShiftError, match="a tiny model is built in memory"):
+        load_model(ModelConfig(tiny={"family": "llama"}, placement="onload"))
+    with pytest.raises(ShiftError, match="is not one"):
+        load_model(ModelConfig(name_or_path=str(tmp_path / "m.gguf"), placement="onload")) if False else \
+            __import__("shift_lightning.placement", fromlist=["resolve"]).resolve("onload", None, torch.float32)
+
+
+def test_ddp_two_onloaded_ranks_match_one_in_memory(folders, tmp_path):
+    """2 processes over gloo, each onloading the blocks and walking its own windows, sum once: the maps of one
+    in-memory process (up to the order of the cross-rank sum: relative 1e-6)."""
+    def cli(out, placement, world):
+        cmd = [sys.executable, "calibrate.py", "--model.name_or_path", str(folders["llama"]), "--model.placement",
+               placement, "--data.source", CORPUS, "--data.num_samples", "8", "--data.seq_len", "48",
+               "--heldout.source", HELDOUT, "--heldout.num_samples", "4", "--heldout.seq_len", "48",
+               "--prune.layers", "[1, 2, 4]", "--calibration.mode", "sequential", "--trainer.accelerator", "cpu",
+               "--trainer.devices", str(world), "--output_dir", str(out)]
+        if world > 1:
+            cmd += ["--trainer.strategy", "ddp"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    cli(tmp_path / "one", "memory", 1)
+    cli(tmp_path / "two", "onload", 2)
+    r1 = json.loads((tmp_path / "one" / "calibration_report.json").read_text())
+    r2 = json.loads((tmp_path / "two" / "calibration_report.json").read_text())
+    assert r2["world_size"] == 2 and r1["calibration_tokens"] == r2["calibration_tokens"]
+    w1, w2 = load_file(str(tmp_path / "one" / "lra.safetensors")), load_file(str(tmp_path / "two" / "lra.safetensors"))
+    assert w1.keys() == w2.keys() and w1
+    for k in w1:
+        assert ((w1[k] - w2[k]).norm() / w1[k].norm().clamp_min(1e-12)).item() < 1e-6, k
+    m1, m2 = load_file(str(tmp_path / "one" / "model.safetensors")), load_file(str(tmp_path / "two" / "model.safetensors"))
+    for k in m1:
+        assert ((m1[k] - m2[k]).norm() / m1[k].norm().clamp_min(1e-12)).item() < 1e-6, k
