@@ -14,8 +14,8 @@ runs ``calibrate.py`` on it once per ``--solver`` as a subprocess and measures, 
   cache as well, which the kernel reclaims before it kills. No writable cgroup: "no limit", said so;
   ``prlimit --as`` is no substitute (address space counts every mapped file);
 * bytes the job read from disk (``read_bytes`` of ``/proc/<pid>/io``, exact over the tree from
-  ``wait4``'s ``ru_inblock``), after dropping the page cache when permitted, as a multiple of the
-  size of the model's safetensors files.
+  ``wait4``'s ``ru_inblock``), with the model files evicted from the page cache before each job
+  (``--page_cache``), as a multiple of the size of the model's safetensors files.
 
     python benchmarks/onload.py --shape llama3-8b --solver lra lra_replaceme --limit_gib 8
     python benchmarks/onload.py --shape llama3-70b-w8 --solver lra --num_samples 32 --seq_len 2048
@@ -151,6 +151,10 @@ def check_hf_load(folder: Path) -> dict:
         raise SystemExit(f"{folder}: non-finite logits")
     return {"class": type(model).__name__, "dtype": str(model.dtype), "logits_shape": list(logits.shape),
             "loading_info": {k: len(v) for k, v in info.items()}}
+
+
+def human(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2 ** 20:.2f} MiB"
 
 
 def safetensors_bytes(folder: Path) -> int:
@@ -306,12 +310,25 @@ class MemoryLimit:
         print(f"warning: could not remove cgroup {self.path}", file=sys.stderr)
 
 
-def drop_page_cache() -> str:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches``: "dropped", or why not."""
+def evict_page_cache(how: str, model_dir: Path) -> str:
+    """Make the job read the weights from disk; what was done, or why not. ``model``: drop the pages
+    of the safetensors files only (``posix_fadvise(DONTNEED)``, no privileges needed; Python and
+    torch stay cached, so the job's reads are the weights'); ``all``: ``sync; echo 3 >
+    /proc/sys/vm/drop_caches`` (root; the job then also re-reads its libraries); ``keep``: nothing."""
+    if how == "keep":
+        return "kept"
     os.sync()
+    if how == "model":
+        for f in model_dir.glob("*.safetensors"):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return "model files evicted (posix_fadvise DONTNEED)"
     try:
         Path("/proc/sys/vm/drop_caches").write_text("3")
-        return "dropped"
+        return "all dropped (drop_caches)"
     except OSError as e:
         return f"not dropped ({e})"
 
@@ -335,7 +352,7 @@ def exit_status(rc: int, oom_kills: int, stderr_tail: str) -> str:
         return "OOM-killed (cgroup limit)"
     if rc == -9:
         return "killed (SIGKILL)"
-    if "unrecognized arguments" in stderr_tail and "--model.placement" in stderr_tail:
+    if rc == 2 and "model.placement" in stderr_tail:  # argparse's exit status: unknown flag or value
         return "calibrate.py rejects --model.placement"
     return f"exit {rc}"
 
@@ -344,7 +361,7 @@ def run_job(a, model_dir: Path, solver: str, run_dir: Path, model_size: int) -> 
     """Run one calibration job under the limit and the watcher; the measurements as a dict."""
     out_dir, log = run_dir / f"out_{solver}", run_dir / f"log_{solver}.txt"
     cmd = job_command(a, model_dir, solver, out_dir)
-    cache = drop_page_cache() if a.drop_caches else "kept (--no-drop_caches)"
+    cache = evict_page_cache(a.page_cache, model_dir)
     limit = MemoryLimit(int(a.limit_gib * GIB), f"shift_onload_{os.getpid()}_{solver}")
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)}
     try:
@@ -398,8 +415,9 @@ def parse(argv=None):
     ap.add_argument("--ratio", type=float, default=0.25)
     ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of the job")
     ap.add_argument("--limit_gib", type=float, default=8.0, help="memory limit of the job (0: none)")
-    ap.add_argument("--drop_caches", action=argparse.BooleanOptionalAction, default=True,
-                    help="drop the page cache before each job (needs root)")
+    ap.add_argument("--page_cache", default="model", choices=["model", "all", "keep"],
+                    help="before each job, evict the model files from the page cache (model), drop the whole "
+                         "cache (all: root only; the job re-reads its libraries too), or not (keep)")
     ap.add_argument("--save_model", action="store_true", help="let calibrate.py write the pruned model too")
     ap.add_argument("--verify", action="store_true",
                     help="load the written folder with AutoModelForCausalLM and run a forward (small shapes)")
@@ -434,7 +452,7 @@ def main(argv=None):
         model_dir = write_random_model(run_dir / "model", SHAPES[a.shape], a.num_layers, seed=a.seed)
         doc["write_seconds"] = time.perf_counter() - t
         doc["model_bytes"] = size = safetensors_bytes(model_dir)
-        print(f"wrote {model_dir}: {size / GIB:.2f} GiB of safetensors in {doc['write_seconds']:.1f} s", flush=True)
+        print(f"wrote {model_dir}: {human(size)} of safetensors in {doc['write_seconds']:.1f} s", flush=True)
         if a.verify:
             doc["hf_load_check"] = check_hf_load(model_dir)
             print(f"AutoModelForCausalLM loads it: {doc['hf_load_check']}", flush=True)
@@ -450,7 +468,7 @@ def main(argv=None):
             print(f"kept {run_dir}")
         else:
             shutil.rmtree(run_dir, ignore_errors=True)
-    rows = [[a.shape, f"{size / GIB:.2f} GiB", r["solver"], r["placement"], f"{a.num_samples}×{a.seq_len}",
+    rows = [[a.shape, human(size), r["solver"], r["placement"], f"{a.num_samples}×{a.seq_len}",
              r["wall_seconds"], r["peak_tree_rss_anon_bytes"] / GIB, r["peak_vmhwm_bytes"] / GIB,
              f"{a.limit_gib:g} GiB" if r["limit"].startswith("cgroup") else "none", r["read_over_model"], r["status"]]
             for r in doc["runs"]]

@@ -231,7 +231,9 @@ def test_progress_lines_name_their_stage_in_a_log_file():
                         r"0:00:\d\d, ETA 0:00:\d\d", lines[2])
     assert re.fullmatch(r"\[\d\d:\d\d:\d\d\] calibration statistics: done, 4 steps in 0:00:\d\d \([\d.]+ it/s\)",
                         lines[4])
-    assert lines[5].endswith("held-out errors: 4 steps") and "held-out errors: done" in lines[-1]
+    # the walk after the loop: one step a block (blocks 0..3), then the held-out pass and its walk
+    assert lines[5].endswith("calibration statistics, block by block: 4 steps") and lines[9].endswith("block 3")
+    assert lines[10].endswith("held-out errors: 4 steps") and "held-out errors, block by block: done" in lines[-1]
 
 
 @pytest.mark.parametrize("solver, mode, stage", [

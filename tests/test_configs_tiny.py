@@ -34,6 +34,15 @@ TRAIN = ["--train_data.source", DATA, "--train_data.split", "calibration", "--tr
 SCRIPT = {"calibrate_parser": "calibrate.py", "train_parser": "train.py", "evaluate_parser": "evaluate.py"}
 
 
+def _tiny_folder(folder: Path) -> Path:
+    from shift_lightning.models import build_tiny_model
+
+    model, tok = build_tiny_model("llama", **{k: v for k, v in json.loads(TINY).items() if k != "family"})
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.tiny_runs
 @pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_config_runs_its_tiny_form(config, tmp_path):
@@ -49,6 +58,9 @@ def test_every_config_runs_its_tiny_form(config, tmp_path):
                  "--evaluate.tasks", ""]
     if entry == "train_parser":
         args += TRAIN + ["--trainer.logger.save_dir", str(tmp_path / "tb")]
+    if "placement: onload" in text:  # onloaded: the tiny model read from a folder of safetensors files
+        args[args.index("--model.tiny"):args.index("--model.tiny") + 2] = []
+        args[args.index("tiny")] = str(_tiny_folder(tmp_path / "model"))
     out = tmp_path / "out"
     cmd = [sys.executable, SCRIPT[entry], "--config", str(config), *args, "--output_dir", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
