@@ -219,6 +219,7 @@ class TreeWatcher(threading.Thread):
         self.peak_anon = self.peak_file = self.peak_hwm = 0  # bytes
         self.read_bytes: dict[int, int] = {}
         self.samples = self.max_processes = 0
+        self.t0, self.timeline = time.perf_counter(), []  # (seconds, RssAnon GiB): the peak of each second
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -237,6 +238,11 @@ class TreeWatcher(threading.Thread):
             if rb is not None:
                 self.read_bytes[pid] = rb
         self.peak_anon, self.peak_file = max(self.peak_anon, anon), max(self.peak_file, file)
+        t = round(time.perf_counter() - self.t0)
+        if self.timeline and self.timeline[-1][0] == t:
+            self.timeline[-1][1] = max(self.timeline[-1][1], round(anon / GIB, 3))
+        else:
+            self.timeline.append([t, round(anon / GIB, 3)])
         self.samples, self.max_processes = self.samples + 1, max(self.max_processes, len(tree))
 
     def stop(self) -> dict:
@@ -244,7 +250,8 @@ class TreeWatcher(threading.Thread):
         self.join()
         return {"peak_tree_rss_anon_bytes": self.peak_anon, "peak_tree_rss_file_bytes": self.peak_file,
                 "peak_vmhwm_bytes": self.peak_hwm, "sampled_read_bytes": sum(self.read_bytes.values()),
-                "samples": self.samples, "interval_s": self.interval, "max_processes": self.max_processes}
+                "samples": self.samples, "interval_s": self.interval, "max_processes": self.max_processes,
+                "rss_anon_gib_per_second": self.timeline}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -339,7 +346,8 @@ def job_command(a, model_dir: Path, solver: str, out_dir: Path) -> list[str]:
     placement = [] if a.no_placement_flag else ["--model.placement", a.placement]
     return [sys.executable, str(C.ROOT / "calibrate.py"), "--model.name_or_path", str(model_dir), *placement,
             "--model.dtype", a.dtype, "--data.source", "wiki_summaries", "--data.num_samples", str(a.num_samples),
-            "--data.seq_len", str(a.seq_len), "--data.batch_size", str(a.batch_size), "--heldout.num_samples", "0",
+            "--data.seq_len", str(a.seq_len), "--data.batch_size", str(a.batch_size), "--heldout.num_samples",
+            str(a.heldout_samples), "--heldout.seq_len", str(a.seq_len), "--heldout.batch_size", str(a.batch_size),
             "--prune.criterion", a.criterion, "--prune.ratio", str(a.ratio), "--calibration.solver", solver,
             "--evaluate_baselines", "false", "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
             "--save_model", "true" if a.save_model else "false", "--output_dir", str(out_dir)]
@@ -421,6 +429,8 @@ def parse(argv=None):
     ap.add_argument("--save_model", action="store_true", help="let calibrate.py write the pruned model too")
     ap.add_argument("--verify", action="store_true",
                     help="load the written folder with AutoModelForCausalLM and run a forward (small shapes)")
+    ap.add_argument("--heldout_samples", type=int, default=4, help="held-out windows (the held-out errors' pass)")
+    ap.add_argument("--model_dir", default=None, help="an existing model folder to use (not written, never deleted)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="where the model folder is written (default: the temp dir)")
     ap.add_argument("--keep_model", action="store_true", help="keep the model folder and job outputs")
@@ -434,7 +444,7 @@ def parse(argv=None):
 def main(argv=None):
     a = parse(argv)
     cfg = llama_config(SHAPES[a.shape], a.num_layers)
-    need = model_bytes(cfg) + GIB  # the weights, plus room for the job outputs
+    need = (0 if a.model_dir else model_bytes(cfg)) + GIB  # the weights, plus room for the job outputs
     base = Path(a.workdir or tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(base).free
@@ -449,10 +459,11 @@ def main(argv=None):
            "threads": a.threads, "runs": []}
     try:
         t = time.perf_counter()
-        model_dir = write_random_model(run_dir / "model", SHAPES[a.shape], a.num_layers, seed=a.seed)
-        doc["write_seconds"] = time.perf_counter() - t
+        model_dir = Path(a.model_dir) if a.model_dir else write_random_model(run_dir / "model", SHAPES[a.shape],
+                                                                             a.num_layers, seed=a.seed)
+        doc["write_seconds"] = None if a.model_dir else time.perf_counter() - t
         doc["model_bytes"] = size = safetensors_bytes(model_dir)
-        print(f"wrote {model_dir}: {human(size)} of safetensors in {doc['write_seconds']:.1f} s", flush=True)
+        print(f"{model_dir}: {human(size)} of safetensors", flush=True)
         if a.verify:
             doc["hf_load_check"] = check_hf_load(model_dir)
             print(f"AutoModelForCausalLM loads it: {doc['hf_load_check']}", flush=True)

@@ -35,26 +35,41 @@ class PassError(ShiftError, RuntimeError):
     """A pass was run with a Trainer it cannot work with, or did not see its data exactly once."""
 
 
+#: The largest packed buffer one all-reduce sends (the pack is a copy: bounded, so d² sums of many sites of a large
+#: model are reduced in a few packs instead of doubling the memory they take).
+MAX_PACK_BYTES = 1 << 30
+
+
 def sum_across_ranks(tensors: list[torch.Tensor], trainer: L.Trainer | None = None) -> None:
-    """Sum float64 ``tensors`` across ranks in place with ONE all-reduce of a packed flat buffer.
+    """Sum float64 ``tensors`` across ranks in place with ONE all-reduce of a packed flat buffer (a few, of at
+    most :data:`MAX_PACK_BYTES` each, when they are larger).
 
     Through ``trainer.strategy.reduce`` when a Trainer is given, else through ``torch.distributed``
     (both no-ops on a single process).
     """
     if not tensors:
         return
+    packs, size = [[]], 0
+    for t in tensors:
+        if packs[-1] and size + t.numel() * 8 > MAX_PACK_BYTES:
+            packs.append([])
+            size = 0
+        packs[-1].append(t)
+        size += t.numel() * 8
     if trainer is not None and trainer.world_size > 1:
-        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
-        flat = trainer.strategy.reduce(flat, reduce_op="sum")
-        off = 0
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[off: off + n].view_as(t))
-            off += n
+        for pack in packs:
+            flat = torch.cat([t.reshape(-1).to(torch.float64) for t in pack])
+            flat = trainer.strategy.reduce(flat, reduce_op="sum")
+            off = 0
+            for t in pack:
+                n = t.numel()
+                t.copy_(flat[off: off + n].view_as(t))
+                off += n
         return
     from . import dist
 
-    dist.all_reduce_flat(tensors)
+    for pack in packs:
+        dist.all_reduce_flat(pack)
 
 
 class DataPass(L.LightningModule):

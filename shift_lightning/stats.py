@@ -229,6 +229,32 @@ class RidgeStats:
         return max(sse, 0.0) / yy if yy > 0 else float("nan")
 
 
+class ResidualMeter:
+    """The held-out error of a map known before the pass, ``‖Δ − Δ̂‖² / ‖Δ‖²`` with ``Δ̂ = x Wᵀ + b``, accumulated
+    directly: ``buffer = [Σ‖Δ − Δ̂‖², Σ‖Δ‖², N]`` (float64; three numbers a site instead of :class:`RidgeStats`'
+    d² sums, and no cancellation). ``W: (d_out, d_in)``, ``b: (d_out,)``; the same ``add_batch`` as
+    :class:`RidgeStats`."""
+
+    def __init__(self, W: torch.Tensor, b: torch.Tensor, name: str = "site", buffer: torch.Tensor | None = None):
+        self.W, self.b, self.name = W.to(torch.float64), b.to(torch.float64), name
+        self.buffer = torch.zeros(3, dtype=torch.float64, device=W.device) if buffer is None else buffer
+
+    @torch.no_grad()
+    def add_batch(self, x: torch.Tensor, delta: torch.Tensor) -> None:
+        """Real tokens ``x: (N, d_in)``, ``delta: (N, d_out)`` (padding already removed)."""
+        d = delta.to(torch.float64)
+        r = d - torch.addmm(self.b.to(d.device), x.to(torch.float64), self.W.to(d.device).T)
+        self.buffer += torch.stack([r.square().sum(), d.square().sum(), d.new_tensor(float(d.shape[0]))])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(round(self.buffer[2].item()))
+
+    def relative_error(self) -> float:
+        sse, yy = self.buffer[0].item(), self.buffer[1].item()
+        return sse / yy if yy > 0 else float("nan")
+
+
 @dataclass
 class Solution:
     """``Δ̂ = x Wᵀ + b`` with ``W = U Vᵀ`` when low rank. All float64."""

@@ -1,8 +1,9 @@
 """Collection: what one forward pass of the original model gathers for every site. Framework-free.
 
 Each solver declares the statistics it needs (:attr:`~shift_lightning.calibration.solvers.Solver.needs`);
-for every site or span :class:`Collector` allocates them in ONE flat float64 buffer (so a single
-all-reduce syncs every site on N ranks) and installs forward hooks that fill them:
+for every site or span :class:`Collector` allocates them in one float64 buffer per site (summed across N
+ranks in ONE packed all-reduce; a site's buffer is freed once it is solved) and installs forward hooks that
+fill them:
 
 =========  =============================================================================================
 ``io``     :class:`~shift_lightning.stats.RidgeStats` of ``(x, Δ)``: ``x`` the hidden state entering block
@@ -109,6 +110,7 @@ class SiteStatistics:
     held_joint: RidgeStats | None = None
     down: RidgeStats | None = None
     held_down: RidgeStats | None = None
+    meters: list = field(default_factory=list)  # (input: io / branch / joint / down, ResidualMeter): held-out errors
 
     def fitting(self) -> "SiteStatistics":
         """The statistics without the held-out windows (sums are additive: all − held)."""
@@ -130,47 +132,56 @@ class Collector:
     of the same blocks ``[start, end)`` share one :class:`SiteStatistics`), see the module doc."""
 
     def __init__(self, dim: int, plan: list[tuple[Site, set[str]]], accum_dtype: str = "float64",
-                 heldout_every: int | None = None, max_rows: int = 262144, ffn_dim: int | None = None):
+                 heldout_every: int | None = None, max_rows: int = 262144, ffn_dim: int | None = None,
+                 meters: list[tuple[Site, str, object]] | None = None):
         merged: dict[tuple[int, int], tuple[Site, set[str]]] = {}
         for site, needs in plan:
             merged.setdefault(site.key, (site, set()))[1].update(needs)
+        for site, _, _ in meters or []:
+            merged.setdefault(site.key, (site, set()))
         self.plan = {site: needs for site, needs in merged.values()}
+        self.meters = meters or []  # (site, input, ResidualMeter): filled by the same hooks (held-out errors)
         self.dim, self.accum, self.ffn_dim = dim, accum_dtype, ffn_dim
         if ffn_dim is None and any("down" in needs for needs in self.plan.values()):
             raise ValueError("the down_proj statistics need the model's MLP width (ffn_dim)")
         self.heldout_every, self.max_rows = heldout_every, max_rows
         self.stats: dict[tuple[int, int], SiteStatistics] = {}
-        self.flat = torch.zeros(0, dtype=torch.float64)
+        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._mask: torch.Tensor | None = None
         self._windows: torch.Tensor | None = None
         self._entry = 0
 
-    def numel(self) -> int:
+    def site_numel(self, site: Site, needs: set[str]) -> int:
+        """float64 elements of one site's sums (see :meth:`allocate`)."""
         nr, ns = RidgeStats.numel(self.dim), ChannelScaleStats.numel(self.dim)
-        nj = RidgeStats.numel(2 * self.dim, self.dim)
-        total = 0
-        for site, needs in self.plan.items():
-            total += nr * ("io" in needs) + nr * ("branch" in needs and site.start >= 1) + ns * ("scale" in needs)
-            total += nj * ("joint" in needs and site.start >= 1) * (2 if self.heldout_every else 1)
-            if "down" in needs and site.start >= 1:
-                total += RidgeStats.numel(self.ffn_dim, self.dim) * (2 if self.heldout_every else 1)
-            if self.heldout_every:
-                total += nr * ("io" in needs) + nr * ("branch" in needs and site.start >= 1)
+        copies = 2 if self.heldout_every else 1
+        total = nr * ("io" in needs) * copies + nr * ("branch" in needs and site.start >= 1) * copies
+        total += ns * ("scale" in needs)
+        total += RidgeStats.numel(2 * self.dim, self.dim) * ("joint" in needs and site.start >= 1) * copies
+        if "down" in needs and site.start >= 1:
+            total += RidgeStats.numel(self.ffn_dim, self.dim) * copies
         return total
 
+    def numel(self) -> int:
+        return sum(self.site_numel(site, needs) for site, needs in self.plan.items())
+
     def allocate(self, device) -> dict[tuple[int, int], SiteStatistics]:
-        """The flat buffer (on ``device``) and one :class:`SiteStatistics` per site, views into it."""
-        self.flat = torch.zeros(self.numel(), dtype=torch.float64, device=device)
-        nr, ns, off = RidgeStats.numel(self.dim), ChannelScaleStats.numel(self.dim), 0
-
-        def ridge(name):
-            nonlocal off
-            s = RidgeStats(self.dim, name, accum_dtype=self.accum, buffer=self.flat[off:off + nr])
-            off += nr
-            return s
-
-        self.stats = {}
+        """One float64 buffer per site (on ``device``; :attr:`buffers`, summed across ranks in ONE packed all-reduce)
+        and one :class:`SiteStatistics` per site, views into it: a site's sums are freed with it once it is solved."""
+        self.stats, self.buffers = {}, {}
         for site, needs in self.plan.items():
+            buf = self.buffers[site.key] = torch.zeros(self.site_numel(site, needs), dtype=torch.float64, device=device)
+            off = 0
+
+            def take(n):
+                nonlocal off
+                off += n
+                return buf[off - n:off]
+
+            def ridge(name, dim=self.dim, out_dim=None):
+                return RidgeStats(dim, name, accum_dtype=self.accum, buffer=take(RidgeStats.numel(dim, out_dim)),
+                                  out_dim=out_dim)
+
             st = SiteStatistics(site)
             if "io" in needs:
                 st.io = ridge(site.name)
@@ -183,24 +194,27 @@ class Collector:
             if "joint" in needs and site.start >= 1:
                 copies = [("joint", "")] + ([("held_joint", ", held-out windows")] if self.heldout_every else [])
                 for attr, tag in copies:
-                    nj = RidgeStats.numel(2 * self.dim, self.dim)
-                    setattr(st, attr, RidgeStats(2 * self.dim, f"{site.name} [input and MLP branch{tag}]",
-                                                 accum_dtype=self.accum, buffer=self.flat[off:off + nj], out_dim=self.dim))
-                    off += nj
+                    setattr(st, attr, ridge(f"{site.name} [input and MLP branch{tag}]", 2 * self.dim, self.dim))
             if "down" in needs and site.start >= 1:
                 copies = [("down", "")] + ([("held_down", ", held-out windows")] if self.heldout_every else [])
                 for attr, tag in copies:
-                    nd = RidgeStats.numel(self.ffn_dim, self.dim)
-                    setattr(st, attr, RidgeStats(self.ffn_dim, f"{site.name} [down_proj input{tag}]",
-                                                 accum_dtype=self.accum, buffer=self.flat[off:off + nd], out_dim=self.dim))
-                    off += nd
+                    setattr(st, attr, ridge(f"{site.name} [down_proj input{tag}]", self.ffn_dim, self.dim))
             if "scale" in needs:
-                st.scale = ChannelScaleStats(self.dim, site.name, buffer=self.flat[off:off + ns])
-                off += ns
+                st.scale = ChannelScaleStats(self.dim, site.name, buffer=take(ChannelScaleStats.numel(self.dim)))
             if "rows" in needs and site.start >= 1:
                 st.rows = ActivationRows(self.dim, self.max_rows)
             self.stats[site.key] = st
+        if self.meters:  # three sums a meter, in one buffer of their own (packed into the same all-reduce)
+            buf = self.buffers["meters"] = torch.zeros(3 * len(self.meters), dtype=torch.float64, device=device)
+            for n, (site, inp, meter) in enumerate(self.meters):
+                meter.buffer = buf[3 * n:3 * n + 3]
+                self.stats[site.key].meters.append((inp, meter))
         return self.stats
+
+    def release(self, key: tuple[int, int]) -> None:
+        """Forget site ``key``'s sums (its buffer is freed once nothing else holds its statistics)."""
+        self.stats.pop(key, None)
+        self.buffers.pop(key, None)
 
     def derive(self) -> None:
         """After the pass (and its all-reduce): each site's ``io`` (and ``held_io``) copied out of its ``joint``
@@ -246,12 +260,14 @@ class Collector:
 
             handles.append(blocks[start].register_forward_pre_hook(pre, with_kwargs=True))
         for j in sorted({st.site.start - 1 for st in self.stats.values()
-                         if st.branch is not None or st.rows is not None or st.joint is not None}):
+                         if st.branch is not None or st.rows is not None or st.joint is not None
+                         or any(inp in ("branch", "joint") for inp, _ in st.meters)}):
             def on_branch(mod, args, output, j=j):
                 branch[self._entry, j] = block_output(output)
 
             handles.append(mlp_branch(blocks[j]).register_forward_hook(on_branch))
-        for j in sorted({st.site.start - 1 for st in self.stats.values() if st.down is not None}):
+        for j in sorted({st.site.start - 1 for st in self.stats.values()
+                         if st.down is not None or any(inp == "down" for inp, _ in st.meters)}):
             def on_down(mod, args, j=j):
                 down_in[self._entry, j] = args[0]
 
@@ -292,6 +308,14 @@ class Collector:
                     if st.rows is not None:
                         b = branch[e, st.site.start - 1]
                         st.rows.add(self._windows, b, b + delta, m)
+                    for inp, meter in st.meters:
+                        if inp == "io":
+                            meter.add_batch(x[m], delta[m])
+                        elif inp == "down":
+                            meter.add_batch(down_in[e, st.site.start - 1][m], delta[m])
+                        else:
+                            b = branch[e, st.site.start - 1][m]
+                            meter.add_batch(b if inp == "branch" else torch.cat([x[m], b], dim=1), delta[m])
                 for st in group:  # what no later site of this batch needs
                     if done_at[st.site.start] == end:
                         for kept in (inputs, branch, down_in):

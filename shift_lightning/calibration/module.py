@@ -26,7 +26,7 @@ from ..data import TokenWindows, check_windows  # noqa: F401  (re-exported)
 from ..errors import ConfigError
 from ..passes import DataPass, sum_across_ranks
 from ..placement import placement_of
-from ..stats import Solution
+from ..stats import ResidualMeter, Solution
 from .collect import Collector, SiteStatistics
 from .config import CalibrationConfig
 from .auto import choose_fit
@@ -48,8 +48,9 @@ class CalibrationModule(DataPass):
     stage = "calibration statistics"
 
     def __init__(self, model: nn.Module, removed: list[int], cfg: CalibrationConfig | None = None,
-                 solvers: list[str] | dict[str, dict] | None = None):
+                 solvers: list[str] | dict[str, dict] | None = None, keep_statistics: bool = True):
         super().__init__()
+        self.keep_statistics = keep_statistics  # False: each site's sums are freed once it is solved
         if placement_of(model).onloaded:  # a skeleton: its placement brings each block to the device, not Lightning
             self.__dict__["model"] = model
         else:
@@ -173,7 +174,7 @@ class CalibrationModule(DataPass):
                 plan += [(t, {"io"}) for t in self.spans]  # the span-level LRA candidate's statistics
             holdout = any(s.holdout for s in self.solvers.values())
             self.statistics = self._collect(trainer, windows, batch_size, plan, "calibration statistics", holdout)
-            self.solve()
+            self.solve(free=not self.keep_statistics and not self.guards)
             for name in self.guards:
                 GuardChoice(self, name).run(trainer, windows, batch_size)
         else:
@@ -191,15 +192,27 @@ class CalibrationModule(DataPass):
             self.measure(trainer, heldout, batch_size, key="heldout")
         return self.sites
 
-    def solve(self) -> list[Site]:
+    def solve(self, free: bool = False) -> list[Site]:
         """(Re)solve every solver from the statistics held now, e.g. statistics summed over several
-        passes (:meth:`add_statistics`) or reused with another damping or rank."""
+        passes (:meth:`add_statistics`) or reused with another damping or rank. ``free``: drop each site's
+        statistics once its last solve is stored (the d² sums of all sites are then never held beside all the
+        solutions)."""
         jobs = [Job(s.key, t, s, self.statistics[t.key]) for s in self._fittable() for t in self._targets(s)]
         for job in jobs:  # collectives first, on every rank: a solve then runs on its owner alone
             if job.stats.rows is not None:
                 job.stats.rows.gather()
-        for job, sol in zip(jobs, solve_shared(jobs, self.dim, self.stats_device)):
+        last = {job.site.key: n for n, job in enumerate(jobs)}
+        device = self.stats_device
+
+        def store(n, job, sol):
             self._store(job.solver, job.site, sol, job.stats)
+            if free and last[job.site.key] == n:
+                self.statistics.pop(job.site.key, None)
+                if self._collector is not None:
+                    self._collector.release(job.site.key)
+                job.stats = None
+
+        solve_shared(jobs, self.dim, device, store)
         return self.sites
 
     def drop_statistics(self) -> None:
@@ -269,46 +282,78 @@ class CalibrationModule(DataPass):
 
             self._sequential(trainer, windows, batch_size, measure_site, f"held-out errors ({self.cfg.mode})")
             return
+        meters = self._error_meters()
+        self._collector = Collector(self.dim, [], self.cfg.accum_dtype, ffn_dim=self.ffn_dim,
+                                    meters=[(site, inp, meter) for (_, _, site), (inp, meter) in meters.items()])
+        self._pipe, self.stage = IndependentPass(self.model, self._collector), "held-out errors"
+        try:
+            self.run(trainer, windows, batch_size)
+        finally:
+            self._pipe, self._collector = None, None
+        for (kind, name, t), (_, meter) in meters.items():
+            if kind == "site":
+                self._record(t, name, key, meter.relative_error(), meter.num_tokens)
+        if len(self.requested) > 1 or any(self.solvers[n].per_span for n in self.requested):
+            for span in self.spans:
+                out = self.reports[span.key].setdefault("span_errors", {})
+                for name in self.requested:
+                    if ("span", name, span) in meters:
+                        out[name] = {f"{key}_rel_error": meters["span", name, span][1].relative_error()}
+                    elif self._span_error_map(name, span) == "none":  # no map: the update is dropped, Δ̂ = 0
+                        out[name] = {f"{key}_rel_error": 1.0}
+
+    def _error_meters(self) -> dict[tuple[str, str, Site], tuple[str, ResidualMeter]]:
+        """What the held-out pass measures, each a :class:`~shift_lightning.stats.ResidualMeter` of a map known now:
+        every solver's map at each of its sites (``("site", solver, site)``, on the inputs it was fitted on) and,
+        with several solvers or per-span ones, each requested solver's whole-span map (``("span", name, span)``)."""
         branch = any(s.placement == "branch" for s in self.solvers.values())
         joint = any("joint" in s.needs for s in self.solvers.values())
         down = any("down" in s.needs for s in self.solvers.values())
         span_level = len(self.requested) > 1 or any(self.solvers[n].per_span for n in self.requested)
-        plan = [(t, {"io"}) for t in self.sites if any(not s.per_span for s in self._fittable())]
+        measured = {t.key for t in self.sites} if any(not s.per_span for s in self._fittable()) else set()
+        inputs: dict[tuple[int, int], set[str]] = {k: {"io"} for k in measured}
         if span_level:
-            plan += [(t, {"io"} | ({"branch"} if branch else set()) | ({"joint"} if joint else set())
-                      | ({"down"} if down else set())) for t in self.spans]
-        fresh = self._collect(trainer, windows, batch_size, plan, "held-out errors")
+            for t in self.spans:
+                inputs.setdefault(t.key, set()).update({"io"} | ({"branch"} if branch else set())
+                                                       | ({"joint"} if joint else set()) | ({"down"} if down else set()))
+        meters = {}
         for s in self._fittable():
             for t in self._targets(s):
-                if t.key not in fresh or t.key not in self.solutions[s.key]:
+                if t.key not in inputs or t.key not in self.solutions[s.key]:
                     continue
-                st, (Wd, bd) = s.fitted_on(self.solutions[s.key][t.key], fresh[t.key])
-                if st is not None:
-                    self._record(t, s.key, key, st.relative_error(Wd, bd), st.num_tokens)
+                have = {f: f for f in inputs[t.key] if f == "io" or t.start >= 1}
+                probe = SiteStatistics(t, io=have.get("io"), branch=have.get("branch"), joint=have.get("joint"),
+                                       down=have.get("down"))
+                inp, (Wd, bd) = s.fitted_on(self.solutions[s.key][t.key], probe)
+                if inp is not None:
+                    meters["site", s.key, t] = (inp, ResidualMeter(Wd, bd, t.name))
         if span_level:
-            eye = torch.eye(self.dim, dtype=torch.float64)
             for span in self.spans:
-                out = self.reports[span.key].setdefault("span_errors", {})
-                st = fresh[span.key]
+                have = {f for f in inputs[span.key] if f == "io" or span.start >= 1}
                 for name in self.requested:
-                    m = self.span_map(name, span)
-                    if m.down is not None and st.down is not None:
-                        err = st.down.relative_error(*m.down)
-                    elif m.embedding is not None:
-                        err = st.io.relative_error(*m.embedding)
-                    elif m.branch is not None and m.adapter is not None and st.joint is not None:
-                        err = st.joint.relative_error(*span_delta_map(*as_affine(m.adapter), m.branch))
-                    elif m.branch is not None and st.branch is not None:
-                        T = m.branch.to(torch.float64)
-                        err = st.branch.relative_error(T.T - eye.to(T), T.new_zeros(self.dim))
-                    elif m.adapter is not None:
-                        M, c = as_affine(m.adapter)
-                        err = st.io.relative_error(M - eye.to(M), c)
-                    elif m.branch is None:
-                        err = 1.0  # no map: the update is dropped, Δ̂ = 0
-                    else:
-                        continue
-                    out[name] = {f"{key}_rel_error": err}
+                    got = self._span_error_map(name, span, have)
+                    if isinstance(got, tuple):
+                        meters["span", name, span] = (got[0], ResidualMeter(*got[1], span.name))
+        return meters
+
+    def _span_error_map(self, name: str, span: Site, have: set[str] = frozenset({"io"})):
+        """The input and ``(W_Δ, b)`` of solver ``name``'s whole map at ``span`` (``have``: the inputs measured
+        there); ``"none"`` when it puts no map there, None when it cannot be measured on these inputs."""
+        m = self.span_map(name, span)
+        eye = torch.eye(self.dim, dtype=torch.float64)
+        if m.down is not None and "down" in have:
+            return "down", m.down
+        if m.embedding is not None:
+            return "io", m.embedding
+        if m.branch is not None and m.adapter is not None and "joint" in have:
+            return "joint", span_delta_map(*as_affine(m.adapter), m.branch)
+        if m.branch is not None and "branch" in have:
+            T = m.branch.to(torch.float64)
+            return "branch", (T.T - eye.to(T), T.new_zeros(self.dim))
+        if m.adapter is not None:
+            M, c = as_affine(m.adapter)
+            return "io", (M - eye.to(M), c)
+        return "none" if m.branch is None else None
 
     def _record(self, site: Site, name: str, key: str, err: float, tokens: int) -> None:
         rep = self.reports[site.key]

@@ -127,4 +127,4 @@ class IndependentPass:
             for h in handles:
                 h.remove()
         self.cache.entries = []
-        reduce([col.flat])
+        reduce(list(col.buffers.values()))

@@ -40,8 +40,9 @@ def _broadcast_object(obj, src: int):
     return box[0]
 
 
-def solve_shared(jobs: list[Job], dim: int, device) -> list[Solution]:
-    """Solve ``jobs`` shared out among ranks; every rank returns every solution (same order)."""
+def solve_shared(jobs: list[Job], dim: int, device, on_solved=None) -> list[Solution]:
+    """Solve ``jobs`` shared out among ranks; every rank returns every solution (same order). ``on_solved(n, job,
+    solution)`` is called on every rank as each job's solution arrives (e.g. to free what no later job needs)."""
     world, me = dist.world_size(), dist.rank()
     out = []
     for n, job in enumerate(jobs):
@@ -76,4 +77,6 @@ def solve_shared(jobs: list[Job], dim: int, device) -> list[Solution]:
         low = meta["low_rank"]
         out.append(Solution(W, b, U if low else None, V if low else None, float(lam.item()), meta["kind"],
                             info=meta["info"], T=T if meta["T"] else None))
+        if on_solved is not None:
+            on_solved(n, job, out[-1])
     return out

@@ -210,7 +210,7 @@ def run_calibration(
         scorer.record_reference()
 
     params_before = num_params(lm)
-    module = CalibrationModule(lm, selection.layers, calibration)
+    module = CalibrationModule(lm, selection.layers, calibration, keep_statistics=False)
     if selection.layers:
         module.calibrate(make_trainer(), windows, heldout_windows, batch_size=data.batch_size, check=False)
     module.drop_statistics()
