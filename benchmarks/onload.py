@@ -409,6 +409,52 @@ def run_job(a, model_dir: Path, solver: str, run_dir: Path, model_size: int) -> 
 
 
 # ------------------------------------------------------------------------------------------------
+# In this process, on one device: onloaded (device memory capped) beside in memory (the GPU script's step)
+def in_process(a, model_dir: Path) -> dict:
+    """``run_calibration`` twice in this process on ``--device``: onloaded first, with the device memory capped at
+    ``--device_cap_gib`` (``torch.cuda.set_per_process_memory_fraction``; CUDA only), then in memory; seconds, peak
+    device memory and whether the two runs' maps are equal. ``--placement`` is ignored here."""
+    from shift_lightning.calibration import CalibrationConfig
+    from shift_lightning.criteria import PruneConfig
+    from shift_lightning.data import TextDataConfig
+    from shift_lightning.models import ModelConfig
+    from shift_lightning.recipes.calibrate import run_calibration
+    from shift_lightning.surgery import adapter_set
+
+    dev = C.pick_device(a.device)
+    cuda = dev.type == "cuda"
+    runs, maps = {}, {}
+    for placement in ("onload", "memory"):
+        cap = a.device_cap_gib if cuda and placement == "onload" else None
+        if cuda:
+            total = torch.cuda.get_device_properties(dev).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GIB / total) if cap else 1.0, dev)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+        t0 = time.perf_counter()
+        res = run_calibration(
+            model=ModelConfig(name_or_path=str(model_dir), placement=placement, dtype=a.dtype),
+            data=TextDataConfig(source="wiki_summaries", num_samples=a.num_samples, seq_len=a.seq_len,
+                                batch_size=a.batch_size),
+            heldout=TextDataConfig(source="wiki_summaries", split="heldout", num_samples=a.heldout_samples,
+                                   seq_len=a.seq_len, batch_size=a.batch_size),
+            prune=PruneConfig(criterion=a.criterion, ratio=a.ratio), calibration=CalibrationConfig(solver=a.solver[0]),
+            trainer=dict(accelerator="gpu" if cuda else "cpu", devices=[dev.index or 0] if cuda else 1,
+                         enable_progress_bar=False))
+        if cuda:
+            torch.cuda.synchronize(dev)
+        runs[placement] = {"seconds": time.perf_counter() - t0, "device_cap_gib": cap,
+                           "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
+                           "calibration_seconds": res.report.seconds.get("calibration")}
+        maps[placement] = {k: v.detach().cpu() for k, v in adapter_set(res.model).state_dict().items()}
+        del res
+    same = maps["onload"].keys() == maps["memory"].keys() and all(
+        torch.equal(maps["onload"][k], maps["memory"][k]) for k in maps["memory"])
+    return {"device": str(dev), "solver": a.solver[0], "runs": runs, "same_maps": same,
+            "onload_over_memory_seconds": runs["onload"]["seconds"] / runs["memory"]["seconds"]}
+
+
+# ------------------------------------------------------------------------------------------------
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -430,6 +476,10 @@ def parse(argv=None):
     ap.add_argument("--verify", action="store_true",
                     help="load the written folder with AutoModelForCausalLM and run a forward (small shapes)")
     ap.add_argument("--heldout_samples", type=int, default=4, help="held-out windows (the held-out errors' pass)")
+    ap.add_argument("--in_process", action="store_true",
+                    help="run onloaded (device memory capped) and in memory in this process on --device (GPU script)")
+    ap.add_argument("--device", default="auto", help="--in_process: cuda or cpu")
+    ap.add_argument("--device_cap_gib", type=float, default=8.0, help="--in_process on CUDA: the onloaded run's cap")
     ap.add_argument("--model_dir", default=None, help="an existing model folder to use (not written, never deleted)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="where the model folder is written (default: the temp dir)")
@@ -454,7 +504,8 @@ def main(argv=None):
     run_dir = Path(tempfile.mkdtemp(prefix=f"onload_{a.shape}_", dir=base))
     out = Path(a.out or C.ROOT / "results" / "bench" / f"onload_{a.shape}.json")
     doc = {"benchmark": "onload", "shape": a.shape, "config": cfg.to_dict(), "command":
-           "python benchmarks/onload.py " + " ".join(a.argv), "machine": C.machine(torch.device("cpu")),
+           "python benchmarks/onload.py " + " ".join(a.argv),
+           "machine": C.machine(C.pick_device(a.device) if a.in_process else torch.device("cpu")),
            "windows": a.num_samples, "seq_len": a.seq_len, "batch_size": a.batch_size, "dtype": a.dtype,
            "threads": a.threads, "runs": []}
     try:
@@ -467,6 +518,11 @@ def main(argv=None):
         if a.verify:
             doc["hf_load_check"] = check_hf_load(model_dir)
             print(f"AutoModelForCausalLM loads it: {doc['hf_load_check']}", flush=True)
+        if a.in_process:
+            doc["in_process"] = in_process(a, model_dir)
+            C.write_json(out, doc)
+            print(json.dumps(doc["in_process"], indent=2))
+            return
         for solver in a.solver:
             res = run_job(a, model_dir, solver, run_dir, size)
             doc["runs"].append(res)

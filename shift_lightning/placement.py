@@ -97,7 +97,7 @@ class Onloaded:
                                  "match its config.json")
         return name
 
-    def tensor(self, name: str, dtype: torch.dtype | None = None, device=None, chunk: int = 1 << 26) -> torch.Tensor:
+    def tensor(self, name: str, dtype: torch.dtype | None = None, device=None, chunk: int = 1 << 24) -> torch.Tensor:
         """One stored tensor, cast to ``dtype`` on ``device``; a large one is cast a few rows at a time from the
         memory-mapped file (no full copy in the stored dtype beside the cast one)."""
         name = self._stored_name(name)

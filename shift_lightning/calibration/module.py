@@ -29,11 +29,10 @@ from ..placement import placement_of
 from ..stats import ResidualMeter, Solution
 from .collect import Collector, SiteStatistics
 from .config import CalibrationConfig
-from .auto import choose_fit
-from .guarding import GuardChoice
 from .maps import Correction, SpanMap, adapter_from, as_affine, assemble, chain
 from .pipeline import IndependentPass
 from .sequential import SequentialWalk
+from .walks import WALKS
 from .sites import Site, make_sites, sites_in, span_sites
 from .solve import Job, solve_shared
 from .solvers import SOLVERS, Solver, get_solver
@@ -140,9 +139,9 @@ class CalibrationModule(DataPass):
         self._collector.derive()
         return self._collector.stats
 
-    def _sequential(self, trainer, windows, batch_size, on_site, stage):
+    def _sequential(self, trainer, windows, batch_size, on_site, stage, anchored=False):
         self._walk = self._pipe = SequentialWalk(self.model, self.sites, self.dim, self.cfg.accum_dtype,
-                                                 self.cfg.mode == "anchored", "joint" in self.solvers[self.primary].needs)
+                                                 anchored, "joint" in self.solvers[self.primary].needs)
         self._on_site, self.stage = on_site, stage
         try:
             self.run(trainer, windows, batch_size)
@@ -158,7 +157,8 @@ class CalibrationModule(DataPass):
 
     def calibrate(self, trainer: L.Trainer, windows: TokenWindows, heldout: TokenWindows | None = None,
                   batch_size: int = 4, check: bool = True) -> list[Site]:
-        """Run the statistics pass(es) and the solves; returns the sites (every rank identical).
+        """Run the statistics pass(es) and the solves of the walk ``cfg.mode`` names (:data:`~.walks.WALKS`);
+        returns the sites (every rank identical).
 
         ``check``: :func:`check_windows` first (a caller that checked before its own passes skips it)."""
         if check:
@@ -166,30 +166,11 @@ class CalibrationModule(DataPass):
             if heldout is not None:
                 check_windows(self.model, heldout, "--heldout", fitting=False)
         t0 = time.time()
-        if self.cfg.mode == "auto":  # fits of its own, judged on held-out windows (.auto)
-            choose_fit(self, trainer, windows, heldout, batch_size)
-        elif self.cfg.mode == "independent":
-            plan = [(t, set(s.needs)) for s in self._fittable() for t in (self.spans if s.per_span else self.sites)]
-            if any(c.span for g in self.guards for c in self.solvers[g].candidates(self.dim)):
-                plan += [(t, {"io"}) for t in self.spans]  # the span-level LRA candidate's statistics
-            holdout = any(s.holdout for s in self.solvers.values())
-            self.statistics = self._collect(trainer, windows, batch_size, plan, "calibration statistics", holdout)
-            self.solve(free=not self.keep_statistics and not self.guards)
-            for name in self.guards:
-                GuardChoice(self, name).run(trainer, windows, batch_size)
-        else:
-            solver = self.solvers[self.primary]
-
-            def fit_site(site, stats):
-                self.statistics[site.key] = stats
-                sol = solve_shared([Job(solver.key, site, solver, stats)], self.dim, stats.io.buffer.device)[0]
-                self._store(solver, site, sol, stats)
-                return self.adapter(solver.key, site), sol.T
-
-            self._sequential(trainer, windows, batch_size, fit_site, f"calibration statistics ({self.cfg.mode})")
+        walk = WALKS[self.cfg.mode](self)
+        walk.fit(trainer, windows, heldout, batch_size)
         self.solve_seconds = time.time() - t0
-        if heldout is not None and len(heldout) and self.cfg.mode != "auto":  # auto: its refit measured
-            self.measure(trainer, heldout, batch_size, key="heldout")
+        if heldout is not None and len(heldout) and walk.measures:
+            walk.measure(trainer, heldout, batch_size, "heldout")
         return self.sites
 
     def solve(self, free: bool = False) -> list[Site]:
@@ -270,18 +251,11 @@ class CalibrationModule(DataPass):
     # ---------------------------------------------------------------- held-out errors
     def measure(self, trainer: L.Trainer, windows: TokenWindows, batch_size: int = 4, key: str = "heldout") -> None:
         """Relative residual error ``‖Δ − Δ̂‖² / ‖Δ‖²`` of the solved maps on other windows, per site
-        and (several solvers or per-span ones) of each solver's whole-span map per span."""
-        if self.cfg.mode != "independent":
-            name = self.primary
+        and (several solvers or per-span ones) of each solver's whole-span map per span (the walk's way)."""
+        WALKS[self.cfg.mode](self).measure(trainer, windows, batch_size, key)
 
-            def measure_site(site, stats):
-                sol = self.solutions[name][site.key]
-                st, (Wd, bd) = self.solvers[name].fitted_on(sol, stats)
-                self._record(site, name, key, st.relative_error(Wd, bd), st.num_tokens)
-                return self.adapter(name, site), sol.T
-
-            self._sequential(trainer, windows, batch_size, measure_site, f"held-out errors ({self.cfg.mode})")
-            return
+    def measure_maps(self, trainer: L.Trainer, windows: TokenWindows, batch_size: int, key: str) -> None:
+        """:meth:`measure` for maps fitted on the original model's states: one block-major pass of meters."""
         meters = self._error_meters()
         self._collector = Collector(self.dim, [], self.cfg.accum_dtype, ffn_dim=self.ffn_dim,
                                     meters=[(site, inp, meter) for (_, _, site), (inp, meter) in meters.items()])
