@@ -409,6 +409,50 @@ def run_job(a, model_dir: Path, solver: str, run_dir: Path, model_size: int) -> 
 
 
 # ------------------------------------------------------------------------------------------------
+# The memory model (docs/larger-than-memory.md), checked against the measured peaks
+def base_rss_anon() -> int:
+    """RssAnon of a process that has imported what the job imports (torch, Lightning, transformers, the recipe)."""
+    code = ("import shift_lightning.recipes.calibrate, shift_lightning.calibration.module, transformers, lightning;"
+            "print([l for l in open('/proc/self/status') if l.startswith('RssAnon')][0].split()[1])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=C.ROOT, check=True)
+    return int(r.stdout.strip().splitlines()[-1]) * 1024
+
+
+def predicted_peak(cfg, solver: str, removed: list[int], windows: int, seq_len: int, batch: int,
+                   dtype_bytes: int, base: int) -> dict:
+    """Peak memory of one rank from the formula of docs/larger-than-memory.md: the process, plus the largest of
+    the phases (caching: the embedding table; walk: one block, the states, one batch's activations, the
+    statistics; solve: the statistics freed site by site as the solutions arrive; save: one block or one
+    top-level tensor)."""
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    block = (2 * d * q + 2 * d * kv + 3 * d * f + 2 * d) * dtype_bytes
+    states = windows * seq_len * d * dtype_bytes
+    acts = batch * seq_len * (3 * f + 4 * d + q + 2 * kv) * dtype_bytes  # one batch inside a block (MLP, attention)
+    ridge = lambda din, dout: 8 * ((din + 1) ** 2 + (din + 1) * dout + 1)  # noqa: E731
+    spans = []
+    for i in sorted(removed):
+        if spans and spans[-1][1] == i:
+            spans[-1][1] = i + 1
+        else:
+            spans.append([i, i + 1])
+    if solver == "lra":  # one site a removed block; the solution W (d x d) and b in float64
+        stats, solution, extra_states = len(removed) * ridge(d, d), 8 * (d * d + d), 0
+        n_solutions = len(removed)
+    elif solver == "lra_replaceme":  # one site a span: [x, m] (2d inputs) and x; the solution W, T
+        stats = sum(ridge(2 * d, d) + ridge(d, d) if s >= 1 else ridge(d, d) for s, _ in spans)
+        solution, extra_states, n_solutions = 8 * (2 * d * d + d), 2 * states, len(spans)  # x held, m kept
+    else:
+        raise ValueError(f"no memory model for solver {solver!r}")
+    phases = {"caching": v * d * dtype_bytes + states,
+              "walk": block + states + extra_states + acts + stats,
+              "solve": stats + solution,
+              "save": max(block, v * d * dtype_bytes) + n_solutions * solution}
+    worst = max(phases, key=phases.get)
+    return {"base_bytes": base, "phases_bytes": phases, "peak_phase": worst, "predicted_peak_bytes": base + phases[worst]}
+
+
+# ------------------------------------------------------------------------------------------------
 # In this process, on one device: onloaded (device memory capped) beside in memory (the GPU script's step)
 def in_process(a, model_dir: Path) -> dict:
     """``run_calibration`` twice in this process on ``--device``: onloaded first, with the device memory capped at
@@ -523,8 +567,13 @@ def main(argv=None):
             C.write_json(out, doc)
             print(json.dumps(doc["in_process"], indent=2))
             return
+        doc["base_rss_anon_bytes"] = base = base_rss_anon()
         for solver in a.solver:
             res = run_job(a, model_dir, solver, run_dir, size)
+            if res["pruned_layers"] is not None and solver in ("lra", "lra_replaceme"):
+                res["model"] = predicted_peak(cfg, solver, res["pruned_layers"], a.num_samples, a.seq_len, a.batch_size,
+                                              torch.empty((), dtype=getattr(torch, a.dtype)).element_size(), base)
+                res["measured_over_predicted"] = res["peak_tree_rss_anon_bytes"] / res["model"]["predicted_peak_bytes"]
             doc["runs"].append(res)
             print(f"{solver}: {res['status']} in {res['wall_seconds']:.1f} s", flush=True)
             if "log_tail" in res:
@@ -536,11 +585,12 @@ def main(argv=None):
         else:
             shutil.rmtree(run_dir, ignore_errors=True)
     rows = [[a.shape, human(size), r["solver"], r["placement"], f"{a.num_samples}×{a.seq_len}",
-             r["wall_seconds"], r["peak_tree_rss_anon_bytes"] / GIB, r["peak_vmhwm_bytes"] / GIB,
+             r["wall_seconds"], r["peak_tree_rss_anon_bytes"] / GIB,
+             r["model"]["predicted_peak_bytes"] / GIB if "model" in r else None, r["peak_vmhwm_bytes"] / GIB,
              f"{a.limit_gib:g} GiB" if r["limit"].startswith("cgroup") else "none", r["read_over_model"], r["status"]]
             for r in doc["runs"]]
     doc["table"] = C.md_table(["shape", "model on disk", "solver", "placement", "windows×len", "seconds",
-                               "peak tree RssAnon GiB", "peak VmHWM GiB", "limit", "read ÷ model", "exit"], rows)
+                               "peak tree RssAnon GiB", "predicted GiB", "peak VmHWM GiB", "limit", "read ÷ model", "exit"], rows)
     C.write_json(out, doc)
     notes = sorted({f"limit: {r['limit']}; page cache: {r['page_cache']}" for r in doc["runs"]})
     print("\n" + doc["table"] + "\n\n" + "\n".join(notes) + f"\n\nwrote {out}")

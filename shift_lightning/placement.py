@@ -22,6 +22,8 @@ onloaded model is a skeleton whose blocks are meta until a placement brings them
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import logging
 import math
@@ -146,6 +148,7 @@ class Onloaded:
 
         for name in self._loaded.pop(id(module), ()):
             set_module_tensor_to_device(module, name, "meta")
+        return_freed_memory()
 
     @contextlib.contextmanager
     def piece(self, module: nn.Module, prefix: str, device=None) -> Iterator[nn.Module]:
@@ -164,6 +167,23 @@ class Onloaded:
     def pruned(self, kept: list[int]) -> None:
         """The model lost blocks: its block ``p`` is the original block ``kept[p]``."""
         self.sources = [self.sources[i] for i in kept]
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def return_freed_memory() -> None:
+    """Hand freed heap memory back to the system (glibc's ``malloc_trim``; nothing elsewhere). A block's cast chunks
+    and activations are mid-size allocations glibc keeps in its heap: without this an onloaded walk grows by about
+    30 MB a block (measured at Llama-3.1-8B's shape), 2 GB over an 8B model's two passes."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def placement_of(model: nn.Module):
@@ -281,6 +301,7 @@ def write_safetensors(path: Path, layout: list[tuple[str, tuple, torch.dtype]], 
                 raise RuntimeError(f"streamed tensor {got} {tuple(t.shape)} {t.dtype} where the header has {name} "
                                    f"{tuple(shape)} {dtype}")
             f.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+            del t  # before the next tensor is read: one at a time
 
 
 def save_streamed(model: nn.Module, state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int = 5 << 30) -> None:
@@ -320,6 +341,7 @@ def save_streamed(model: nn.Module, state: dict[str, torch.Tensor], out: Path, m
                     if local not in sd:  # the norm inside ReplaceMe's map (Gemma3) is saved under its own name
                         local = local.replace("post_feedforward_layernorm.", "post_feedforward_layernorm.norm.")
                     yield k, sd[local].to(state[k].dtype)
+                del sd  # before the block is released: its weights are freed with it
 
     n = len(shards)
     weight_map = {}
