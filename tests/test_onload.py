@@ -218,3 +218,13 @@ def test_ddp_two_onloaded_ranks_match_one_in_memory(folders, tmp_path):
     m1, m2 = load_file(str(tmp_path / "one" / "model.safetensors")), load_file(str(tmp_path / "two" / "model.safetensors"))
     for k in m1:
         assert ((m1[k] - m2[k]).norm() / m1[k].norm().clamp_min(1e-12)).item() < 1e-6, k
+
+
+def test_every_mode_is_a_registered_walk():
+    """``--calibration.mode`` lists exactly the walks of the registry (a new walk is one registered class)."""
+    import typing
+
+    from shift_lightning.calibration.walks import WALKS
+
+    assert set(typing.get_args(CalibrationConfig.__annotations__["mode"]) or
+               typing.get_args(typing.get_type_hints(CalibrationConfig)["mode"])) == set(WALKS)

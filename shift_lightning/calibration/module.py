@@ -26,7 +26,7 @@ from ..data import TokenWindows, check_windows  # noqa: F401  (re-exported)
 from ..errors import ConfigError
 from ..passes import DataPass, sum_across_ranks
 from ..placement import placement_of
-from ..stats import ResidualMeter, Solution
+from ..stats import Solution
 from .collect import Collector, SiteStatistics
 from .config import CalibrationConfig
 from .maps import Correction, SpanMap, adapter_from, as_affine, assemble, chain
@@ -37,7 +37,6 @@ from .sites import Site, make_sites, sites_in, span_sites
 from .solve import Job, solve_shared
 from .solvers import SOLVERS, Solver, get_solver
 from .solvers.guard import Guarded
-from .solvers.joint import span_delta_map
 
 
 class CalibrationModule(DataPass):
@@ -254,80 +253,14 @@ class CalibrationModule(DataPass):
         and (several solvers or per-span ones) of each solver's whole-span map per span (the walk's way)."""
         WALKS[self.cfg.mode](self).measure(trainer, windows, batch_size, key)
 
-    def measure_maps(self, trainer: L.Trainer, windows: TokenWindows, batch_size: int, key: str) -> None:
-        """:meth:`measure` for maps fitted on the original model's states: one block-major pass of meters."""
-        meters = self._error_meters()
-        self._collector = Collector(self.dim, [], self.cfg.accum_dtype, ffn_dim=self.ffn_dim,
-                                    meters=[(site, inp, meter) for (_, _, site), (inp, meter) in meters.items()])
+    def _meter_pass(self, trainer: L.Trainer, windows: TokenWindows, batch_size: int, meters: list) -> None:
+        """One block-major pass filling ``meters`` (``(site, input, ResidualMeter)``) on the original model."""
+        self._collector = Collector(self.dim, [], self.cfg.accum_dtype, ffn_dim=self.ffn_dim, meters=meters)
         self._pipe, self.stage = IndependentPass(self.model, self._collector), "held-out errors"
         try:
             self.run(trainer, windows, batch_size)
         finally:
             self._pipe, self._collector = None, None
-        for (kind, name, t), (_, meter) in meters.items():
-            if kind == "site":
-                self._record(t, name, key, meter.relative_error(), meter.num_tokens)
-        if len(self.requested) > 1 or any(self.solvers[n].per_span for n in self.requested):
-            for span in self.spans:
-                out = self.reports[span.key].setdefault("span_errors", {})
-                for name in self.requested:
-                    if ("span", name, span) in meters:
-                        out[name] = {f"{key}_rel_error": meters["span", name, span][1].relative_error()}
-                    elif self._span_error_map(name, span) == "none":  # no map: the update is dropped, Δ̂ = 0
-                        out[name] = {f"{key}_rel_error": 1.0}
-
-    def _error_meters(self) -> dict[tuple[str, str, Site], tuple[str, ResidualMeter]]:
-        """What the held-out pass measures, each a :class:`~shift_lightning.stats.ResidualMeter` of a map known now:
-        every solver's map at each of its sites (``("site", solver, site)``, on the inputs it was fitted on) and,
-        with several solvers or per-span ones, each requested solver's whole-span map (``("span", name, span)``)."""
-        branch = any(s.placement == "branch" for s in self.solvers.values())
-        joint = any("joint" in s.needs for s in self.solvers.values())
-        down = any("down" in s.needs for s in self.solvers.values())
-        span_level = len(self.requested) > 1 or any(self.solvers[n].per_span for n in self.requested)
-        measured = {t.key for t in self.sites} if any(not s.per_span for s in self._fittable()) else set()
-        inputs: dict[tuple[int, int], set[str]] = {k: {"io"} for k in measured}
-        if span_level:
-            for t in self.spans:
-                inputs.setdefault(t.key, set()).update({"io"} | ({"branch"} if branch else set())
-                                                       | ({"joint"} if joint else set()) | ({"down"} if down else set()))
-        meters = {}
-        for s in self._fittable():
-            for t in self._targets(s):
-                if t.key not in inputs or t.key not in self.solutions[s.key]:
-                    continue
-                have = {f: f for f in inputs[t.key] if f == "io" or t.start >= 1}
-                probe = SiteStatistics(t, io=have.get("io"), branch=have.get("branch"), joint=have.get("joint"),
-                                       down=have.get("down"))
-                inp, (Wd, bd) = s.fitted_on(self.solutions[s.key][t.key], probe)
-                if inp is not None:
-                    meters["site", s.key, t] = (inp, ResidualMeter(Wd, bd, t.name))
-        if span_level:
-            for span in self.spans:
-                have = {f for f in inputs[span.key] if f == "io" or span.start >= 1}
-                for name in self.requested:
-                    got = self._span_error_map(name, span, have)
-                    if isinstance(got, tuple):
-                        meters["span", name, span] = (got[0], ResidualMeter(*got[1], span.name))
-        return meters
-
-    def _span_error_map(self, name: str, span: Site, have: set[str] = frozenset({"io"})):
-        """The input and ``(W_Δ, b)`` of solver ``name``'s whole map at ``span`` (``have``: the inputs measured
-        there); ``"none"`` when it puts no map there, None when it cannot be measured on these inputs."""
-        m = self.span_map(name, span)
-        eye = torch.eye(self.dim, dtype=torch.float64)
-        if m.down is not None and "down" in have:
-            return "down", m.down
-        if m.embedding is not None:
-            return "io", m.embedding
-        if m.branch is not None and m.adapter is not None and "joint" in have:
-            return "joint", span_delta_map(*as_affine(m.adapter), m.branch)
-        if m.branch is not None and "branch" in have:
-            T = m.branch.to(torch.float64)
-            return "branch", (T.T - eye.to(T), T.new_zeros(self.dim))
-        if m.adapter is not None:
-            M, c = as_affine(m.adapter)
-            return "io", (M - eye.to(M), c)
-        return "none" if m.branch is None else None
 
     def _record(self, site: Site, name: str, key: str, err: float, tokens: int) -> None:
         rep = self.reports[site.key]

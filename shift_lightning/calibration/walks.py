@@ -20,10 +20,16 @@ name the registry's entries.
 
 from __future__ import annotations
 
+import torch
+
 from ..data import TokenWindows
+from ..stats import ResidualMeter
 from .auto import choose_fit
+from .collect import SiteStatistics
 from .guarding import GuardChoice
+from .maps import as_affine
 from .solve import Job, solve_shared
+from .solvers.joint import span_delta_map
 
 #: mode name -> walk class; filled by :func:`register_walk`.
 WALKS: dict[str, type["Walk"]] = {}
@@ -70,7 +76,22 @@ class Independent(Walk):
             GuardChoice(m, name).run(trainer, windows, batch_size)
 
     def measure(self, trainer, windows, batch_size, key):
-        self.m.measure_maps(trainer, windows, batch_size, key)
+        """Every map's held-out error from one block-major pass of meters (the maps are known now)."""
+        m = self.m
+        meters = _error_meters(m)
+        m._meter_pass(trainer, windows, batch_size,
+                         [(site, inp, meter) for (_, _, site), (inp, meter) in meters.items()])
+        for (kind, name, t), (_, meter) in meters.items():
+            if kind == "site":
+                m._record(t, name, key, meter.relative_error(), meter.num_tokens)
+        if len(m.requested) > 1 or any(m.solvers[n].per_span for n in m.requested):
+            for span in m.spans:
+                out = m.reports[span.key].setdefault("span_errors", {})
+                for name in m.requested:
+                    if ("span", name, span) in meters:
+                        out[name] = {f"{key}_rel_error": meters["span", name, span][1].relative_error()}
+                    elif _span_error_map(m, name, span) == "none":  # no map: the update is dropped, Δ̂ = 0
+                        out[name] = {f"{key}_rel_error": 1.0}
 
 
 @register_walk("sequential")
@@ -120,3 +141,57 @@ class Auto(Sequential):
 
     def fit(self, trainer, windows, heldout, batch_size):
         choose_fit(self.m, trainer, windows, heldout, batch_size)
+
+
+def _error_meters(m) -> dict:
+    """What the held-out pass measures, each a :class:`~shift_lightning.stats.ResidualMeter` of a map known now:
+    every solver's map at each of its sites (``("site", solver, site)``, on the inputs it was fitted on) and,
+    with several solvers or per-span ones, each requested solver's whole-span map (``("span", name, span)``)."""
+    branch = any(s.placement == "branch" for s in m.solvers.values())
+    joint = any("joint" in s.needs for s in m.solvers.values())
+    down = any("down" in s.needs for s in m.solvers.values())
+    span_level = len(m.requested) > 1 or any(m.solvers[n].per_span for n in m.requested)
+    measured = {t.key for t in m.sites} if any(not s.per_span for s in m._fittable()) else set()
+    inputs: dict[tuple[int, int], set[str]] = {k: {"io"} for k in measured}
+    if span_level:
+        for t in m.spans:
+            inputs.setdefault(t.key, set()).update({"io"} | ({"branch"} if branch else set())
+                                                   | ({"joint"} if joint else set()) | ({"down"} if down else set()))
+    meters = {}
+    for s in m._fittable():
+        for t in m._targets(s):
+            if t.key not in inputs or t.key not in m.solutions[s.key]:
+                continue
+            have = {f: f for f in inputs[t.key] if f == "io" or t.start >= 1}
+            probe = SiteStatistics(t, io=have.get("io"), branch=have.get("branch"), joint=have.get("joint"),
+                                   down=have.get("down"))
+            inp, (Wd, bd) = s.fitted_on(m.solutions[s.key][t.key], probe)
+            if inp is not None:
+                meters["site", s.key, t] = (inp, ResidualMeter(Wd, bd, t.name))
+    if span_level:
+        for span in m.spans:
+            have = {f for f in inputs[span.key] if f == "io" or span.start >= 1}
+            for name in m.requested:
+                got = _span_error_map(m, name, span, have)
+                if isinstance(got, tuple):
+                    meters["span", name, span] = (got[0], ResidualMeter(*got[1], span.name))
+    return meters
+
+def _span_error_map(m, name: str, span, have: set[str] = frozenset({"io"})):
+    """The input and ``(W_Δ, b)`` of solver ``name``'s whole map at ``span`` (``have``: the inputs measured
+    there); ``"none"`` when it puts no map there, None when it cannot be measured on these inputs."""
+    sm = m.span_map(name, span)
+    eye = torch.eye(m.dim, dtype=torch.float64)
+    if sm.down is not None and "down" in have:
+        return "down", sm.down
+    if sm.embedding is not None:
+        return "io", sm.embedding
+    if sm.branch is not None and sm.adapter is not None and "joint" in have:
+        return "joint", span_delta_map(*as_affine(sm.adapter), sm.branch)
+    if sm.branch is not None and "branch" in have:
+        T = sm.branch.to(torch.float64)
+        return "branch", (T.T - eye.to(T), T.new_zeros(m.dim))
+    if sm.adapter is not None:
+        M, c = as_affine(sm.adapter)
+        return "io", (M - eye.to(M), c)
+    return "none" if sm.branch is None else None
