@@ -19,6 +19,10 @@ across ranks once at the end. This base owns that:
   training (``train.py`` calibrates and trains on one Trainer).
 
 Drive it with :meth:`DataPass.run` (``trainer.predict`` under the hood).
+
+:class:`BlockCache` is the block-major order such a pass may take instead of a forward per batch (calibration's
+walks, the hidden-state criteria): the embedding runs once per window (blocks recorded, not run), then each block
+is brought in once by the model's placement (:mod:`~shift_lightning.placement`) and run on every cached batch.
 """
 
 from __future__ import annotations
@@ -27,8 +31,12 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from torch import nn
+
+from .arch import block_output, swapped_blocks
 from .data import RankShard
 from .errors import ShiftError
+from .placement import placement_of
 
 
 class PassError(ShiftError, RuntimeError):
@@ -166,3 +174,70 @@ def _count(batch) -> int:
     if isinstance(batch, dict) and "input_ids" in batch:
         return int(batch["input_ids"].shape[0])
     return 1
+
+
+# --------------------------------------------------------------------------------------------
+# The block-major order (calibration's walks, the hidden-state criteria)
+# --------------------------------------------------------------------------------------------
+class StopForward(Exception):
+    """Raised to end a forward early, once a pass has what it needs from it."""
+
+
+class _Recorder(nn.Module):
+    """Stands in for block ``j`` during the caching pass: records the call (the first one also the state)."""
+
+    def __init__(self, j: int, sink: dict, last: int):
+        super().__init__()
+        self.j, self.sink, self.last = j, sink, last
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if "h" not in self.sink:
+            self.sink["h"] = hidden_states
+        self.sink[self.j] = (args, kwargs)
+        if self.j == self.last:
+            raise StopForward
+        return hidden_states
+
+
+class BlockCache:
+    """One rank's cached windows: ``entries[k] = {"h": (B, T, d), "calls": {j: (args, kwargs)}, "mask": (B, T),
+    "index": (B,) window indices}``, and block ``j`` run on one of them (:meth:`run`)."""
+
+    def __init__(self, model: nn.Module, last: int):
+        self.model, self.last = model, last
+        self.placement = placement_of(model)
+        self.entries: list[dict] = []
+
+    @torch.no_grad()
+    def cache_batch(self, batch: dict, mask: torch.Tensor, device=None, taps: dict | None = None) -> dict:
+        """Run the embedding on ``batch`` with blocks ``0..last`` recorded, not run; returns the entry.
+        ``taps``: extra values to keep in the entry."""
+        sink: dict = {}
+        stubs = {j: _Recorder(j, sink, self.last) for j in range(self.last + 1)}
+        inner = self.model.model
+        with self.placement.piece(inner.embed_tokens, "model.embed_tokens.", device), \
+                swapped_blocks(self.model, stubs):
+            if self.placement.onloaded:
+                self._buffers_to(device)
+            try:
+                self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+            except StopForward:
+                pass
+        h = sink.pop("h")
+        entry = {"h": h, "calls": sink, "mask": mask, "index": batch.get("index"), **(taps or {})}
+        self.entries.append(entry)
+        return entry
+
+    def _buffers_to(self, device) -> None:
+        """The skeleton's real buffers (rotary frequencies) on the walk's device."""
+        if device is None:
+            return
+        for mod in self.model.modules():
+            for name, b in list(mod.named_buffers(recurse=False)):
+                if not b.is_meta and b.device != torch.device(device):
+                    mod._buffers[name] = b.to(device)
+
+    def run(self, block: nn.Module, j: int, entry: dict, h: torch.Tensor) -> torch.Tensor:
+        """Block ``j`` (``block``: the module, brought in) on one entry's state ``h``."""
+        args, kwargs = entry["calls"][j]
+        return block_output(block(h, *args, **kwargs))

@@ -21,32 +21,71 @@ from torch import nn
 
 from . import criteria as C
 from .arch import decoder_layers
+from .criteria import CriterionError
 from .data import TokenWindows
-from .passes import DataPass
+from .passes import BlockCache, DataPass, sum_across_ranks
+from .placement import placement_of
 
 
 class CriterionScorer(DataPass):
     """Run ``scorer`` (a :mod:`~shift_lightning.criteria` scorer) over windows.
 
-    ``model``: the causal LM (a submodule, so Lightning places it on the device).
+    ``model``: the causal LM (a submodule, so Lightning places it on the device; an onloaded skeleton is not: its
+    placement brings each block in). A scorer of hidden states only (``on_block``: block influence, angular) runs
+    block-major, as calibration does (:class:`~shift_lightning.passes.BlockCache`): the windows cached
+    once, then each block on every batch, its sums all-reduced once after the walk; the others run a forward per
+    batch and need the whole model.
     """
 
     stage = "criterion scores"
 
     def __init__(self, model: nn.Module, scorer):
         super().__init__()
-        self.model = model
+        if placement_of(model).onloaded:
+            if not hasattr(scorer, "on_block"):
+                raise CriterionError(f"the {scorer.name} criterion runs the whole model per batch; onloaded "
+                                     "(--model.placement onload) the criteria are " + ", ".join(ONLOAD_CRITERIA))
+            self.__dict__["model"] = model
+        else:
+            self.model = model
         self.scorer = scorer  # plain object: its float64 sums stay out of the module's state
         self.needs_grad_mode = bool(scorer.needs_grad)
+        self._cache: BlockCache | None = None
 
     def begin(self) -> None:
-        self.scorer.setup(self.model)
+        self.scorer.setup(self.model, self.device) if hasattr(self.scorer, "on_block") else self.scorer.setup(self.model)
+        if hasattr(self.scorer, "on_block"):
+            self._cache = BlockCache(self.model, len(decoder_layers(self.model)) - 1)
 
     def step(self, batch, batch_idx):
-        self.scorer.step(self.model, batch)
+        if self._cache is not None:
+            self._cache.cache_batch(batch, batch["attention_mask"].bool(), self.device)
+        else:
+            self.scorer.step(self.model, batch)
 
     def state(self) -> list[torch.Tensor]:
-        return self.scorer.state()
+        return [] if self._cache is not None else self.scorer.state()
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        if self._cache is None:
+            return
+        cache, self._cache = self._cache, None
+        bar = self.progress(f"{self.stage}, block by block", cache.last + 1)
+        for j in range(cache.last + 1):
+            with cache.placement.block(self.model, j, self.device) as block:
+                for k, e in enumerate(cache.entries):
+                    x_out = cache.run(block, j, e, e["h"])
+                    self.scorer.on_block(j, e["h"], x_out, e["mask"], k)
+                    e["h"] = x_out
+            bar.step(extra=f"block {j}")
+        bar.close()
+        sum_across_ranks(self.scorer.state(), self.trainer)
+
+
+#: Criteria an onloaded run (``--model.placement onload``) can select with: no pass, the weights block by block,
+#: or hidden states block by block.
+ONLOAD_CRITERIA = ("reverse_star", "reverse", "random", "magnitude_l1", "magnitude_l2", "angular", "block_influence")
 
 
 def default_trainer(model: nn.Module) -> L.Trainer:

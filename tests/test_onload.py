@@ -96,6 +96,21 @@ def decoder_layers_of(model):
     return model.model.layers
 
 
+@pytest.mark.parametrize("criterion", ["angular", "block_influence", "magnitude_l2"])
+def test_onloaded_criteria_equal_in_memory(folders, criterion):
+    """The criteria of hidden states (block by block over the cached windows) and of weights (block by block from
+    the files) score an onloaded model as they score it in memory, bit for bit."""
+    from shift_lightning.selection import select_blocks
+
+    mem, tok = load_model(ModelConfig(name_or_path=str(folders["llama"]), placement="memory"))
+    onl, _ = load_model(ModelConfig(name_or_path=str(folders["llama"]), placement="onload"))
+    w = build_windows(TextDataConfig(source=CORPUS, num_samples=8, seq_len=48, packing=False), tok)
+    cfg = PruneConfig(criterion=criterion, ratio=0.34, batch_size=3)
+    a, b = select_blocks(cfg, mem, w, _trainer), select_blocks(cfg, onl, w, _trainer)
+    assert a.layers == b.layers and a.scores == b.scores and a.scores
+    assert all(p.is_meta for p in onl.parameters())
+
+
 def _run(folder, placement, out, solver="lra_replaceme", layers=(1, 2, 4), **kw):
     return run_calibration(model=ModelConfig(name_or_path=str(folder), placement=placement),
                            data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
@@ -168,7 +183,8 @@ def test_write_safetensors_refuses_a_tensor_out_of_order(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(prune=PruneConfig(criterion="angular", ratio=0.3)), "--prune.criterion angular scores blocks"),
+    (dict(prune=PruneConfig(criterion="ppl", ratio=0.3)), "--prune.criterion ppl scores blocks"),
+    (dict(prune=PruneConfig(criterion="taylor", ratio=0.3)), "--prune.criterion taylor scores blocks"),
     (dict(calibration=CalibrationConfig(mode="auto")), "--calibration.mode auto judges"),
     (dict(calibration=CalibrationConfig(solver="guarded")), "--calibration.solver guarded judges"),
     (dict(calibration=CalibrationConfig(refit_kept=1)), "--calibration.refit_kept re-fits"),
@@ -198,7 +214,8 @@ def test_ddp_two_onloaded_ranks_match_one_in_memory(folders, tmp_path):
         cmd = [sys.executable, "calibrate.py", "--model.name_or_path", str(folders["llama"]), "--model.placement",
                placement, "--data.source", CORPUS, "--data.num_samples", "8", "--data.seq_len", "48",
                "--heldout.source", HELDOUT, "--heldout.num_samples", "4", "--heldout.seq_len", "48",
-               "--prune.layers", "[1, 2, 4]", "--calibration.mode", "sequential", "--trainer.accelerator", "cpu",
+               "--prune.criterion", "angular", "--prune.ratio", "0.5", "--calibration.mode", "sequential",
+               "--trainer.accelerator", "cpu",
                "--trainer.devices", str(world), "--output_dir", str(out)]
         if world > 1:
             cmd += ["--trainer.strategy", "ddp"]
@@ -211,6 +228,9 @@ def test_ddp_two_onloaded_ranks_match_one_in_memory(folders, tmp_path):
     r1 = json.loads((tmp_path / "one" / "calibration_report.json").read_text())
     r2 = json.loads((tmp_path / "two" / "calibration_report.json").read_text())
     assert r2["world_size"] == 2 and r1["calibration_tokens"] == r2["calibration_tokens"]
+    assert r1["pruned_layers"] == r2["pruned_layers"] and r1["selection"]["criterion"] == "angular"
+    for a, b in zip(r1["selection"]["scores"].values(), r2["selection"]["scores"].values()):
+        assert b == pytest.approx(a, rel=1e-9)
     w1, w2 = load_file(str(tmp_path / "one" / "lra.safetensors")), load_file(str(tmp_path / "two" / "lra.safetensors"))
     assert w1.keys() == w2.keys() and w1
     for k in w1:

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .. import dist
+from ..passes import StopForward  # noqa: F401  (a hook raises it once every site of the pass has its data)
 from ..arch import block_input, block_output, decoder_layers, mlp_branch
 from ..peers import ChannelScaleStats
 from ..stats import RidgeStats
@@ -43,10 +44,6 @@ from .sites import Site
 
 #: Statistics a solver may ask for (see the module doc).
 NEEDS = ("io", "branch", "joint", "down", "scale", "rows")
-
-
-class StopForward(Exception):
-    """Raised by a hook once every site of the pass has its data."""
 
 
 class ActivationRows:

@@ -32,7 +32,7 @@ from torch import nn
 from ..arch import mlp_branch
 from ..stats import RidgeStats
 from .collect import SiteStatistics
-from .pipeline import BlockCache
+from ..passes import BlockCache
 from .sites import Site
 
 

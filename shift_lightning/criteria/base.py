@@ -102,10 +102,13 @@ def magnitude_scores(model: nn.Module, p: int) -> dict[int, float]:
     code ``anal_block_sensitivity_magnitude.py`` sums ``|w|^p`` over every ``*weight`` of the
     block, norms included). Blocks with the smallest importance are removed.
     """
-    out = {}
+    from ..placement import placement_of
+
+    out, placement = {}, placement_of(model)  # onloaded: each block read from the files in turn
     with torch.no_grad():
-        for i, layer in enumerate(decoder_layers(model)):
-            out[i] = float(sum(w.detach().double().abs().pow(p).sum() for w in layer.parameters()))
+        for i in range(len(decoder_layers(model))):
+            with placement.block(model, i) as layer:
+                out[i] = float(sum(w.detach().double().abs().pow(p).sum() for w in layer.parameters()))
     return out
 
 

@@ -43,21 +43,22 @@ class BlockInfluence:
     def __init__(self, num_layers: int):
         self.L = num_layers
 
-    def setup(self, model: nn.Module) -> None:
-        dev = next(model.parameters()).device
+    def setup(self, model: nn.Module, device=None) -> None:
+        dev = device or next(model.parameters()).device
         self.cos_sum = torch.zeros(self.L, dtype=torch.float64, device=dev)
         self.tokens = torch.zeros(1, dtype=torch.float64, device=dev)
 
+    def on_block(self, i: int, x_in: torch.Tensor, x_out: torch.Tensor, mask: torch.Tensor, entry: int = 0) -> None:
+        """Block ``i`` ran on one batch (block-major walks call this block by block, every batch)."""
+        cos = F.cosine_similarity(x_in.double(), x_out.double(), dim=-1)  # (B, T)
+        self.cos_sum[i] += cos[mask].sum()
+        if i == 0:
+            self.tokens += mask.sum()
+
     def step(self, model: nn.Module, batch: dict) -> None:
         mask = batch["attention_mask"].bool()
-
-        def on_block(i, x_in, x_out):
-            cos = F.cosine_similarity(x_in.double(), x_out.double(), dim=-1)  # (B, T)
-            self.cos_sum[i] += cos[mask].sum()
-
-        with torch.no_grad(), block_hooks(decoder_layers(model), on_block):
+        with torch.no_grad(), block_hooks(decoder_layers(model), lambda i, a, b: self.on_block(i, a, b, mask)):
             model.model(**_lm_kwargs(batch))  # hidden states only: the LM head is not needed
-        self.tokens += mask.sum()
 
     def state(self) -> list[torch.Tensor]:
         return [self.cos_sum, self.tokens]
@@ -93,10 +94,11 @@ class AngularDistance:
             raise CriterionError(f"angular needs 1 <= k <= {num_layers}, got k={k}")
         self.L, self.k, self.tokens = num_layers, k, tokens
 
-    def setup(self, model: nn.Module) -> None:
-        dev = next(model.parameters()).device
+    def setup(self, model: nn.Module, device=None) -> None:
+        dev = device or next(model.parameters()).device
         self.dist_sum = torch.zeros(self.L - self.k + 1, dtype=torch.float64, device=dev)
         self.count = torch.zeros(1, dtype=torch.float64, device=dev)
+        self._kept: dict[int, dict[int, torch.Tensor]] = {}  # per batch: the picked states still needed
 
     def _pick(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``(B, T, d)`` → ``(N, d)``: the last non-padding token per window, or all of them."""
@@ -106,21 +108,28 @@ class AngularDistance:
         last = (mask.long() * (pos + 1)).argmax(dim=1)  # index of the last non-padding token
         return x[torch.arange(x.shape[0], device=x.device), last]
 
+    def on_block(self, i: int, x_in: torch.Tensor, x_out: torch.Tensor, mask: torch.Tensor, entry: int = 0) -> None:
+        """Block ``i`` ran on batch ``entry``: ``x^i`` and (last block) ``x^L`` picked; a span's distance is added as
+        soon as the state at its end is known, and only the last ``k`` states of a batch are kept."""
+        kept = self._kept.setdefault(entry, {})
+        kept[i] = self._pick(x_in, mask).detach()
+        if i == 0:
+            self.count += kept[0].shape[0]
+        if i == self.L - 1:
+            kept[self.L] = self._pick(x_out, mask).detach()
+        for end in (i, self.L) if i == self.L - 1 else (i,):
+            start = end - self.k
+            if start >= 0:
+                cos = F.cosine_similarity(kept[start].double(), kept[end].double(), dim=-1)
+                self.dist_sum[start] += (torch.arccos(cos.clamp(-1.0, 1.0)) / math.pi).sum()
+                del kept[start]
+        if i == self.L - 1:
+            del self._kept[entry]
+
     def step(self, model: nn.Module, batch: dict) -> None:
         mask = batch["attention_mask"].bool()
-        states: list[torch.Tensor | None] = [None] * (self.L + 1)
-
-        def on_block(i, x_in, x_out):
-            states[i] = self._pick(x_in, mask).detach()
-            if i == self.L - 1:
-                states[self.L] = self._pick(x_out, mask).detach()
-
-        with torch.no_grad(), block_hooks(decoder_layers(model), on_block):
+        with torch.no_grad(), block_hooks(decoder_layers(model), lambda i, a, b: self.on_block(i, a, b, mask)):
             model.model(**_lm_kwargs(batch))
-        for start in range(self.L - self.k + 1):
-            cos = F.cosine_similarity(states[start].double(), states[start + self.k].double(), dim=-1)
-            self.dist_sum[start] += (torch.arccos(cos.clamp(-1.0, 1.0)) / math.pi).sum()
-        self.count += states[0].shape[0]
 
     def state(self) -> list[torch.Tensor]:
         return [self.dist_sum, self.count]

@@ -33,7 +33,7 @@ from ..placement import placement_of
 from ..progress import with_stage_progress
 from ..reports import CalibrationReport
 from ..stopping import with_signal_guard
-from ..selection import select_blocks
+from ..selection import ONLOAD_CRITERIA, select_blocks
 from ..calibration import pruned_positions
 from ..card import CardFacts
 from ..checkpoint import ShiftSpec, load_pretrained, save_adapters, save_pretrained
@@ -81,16 +81,13 @@ def check_early(prune: PruneConfig, data: TextDataConfig, calibration: Calibrati
     calibration.validate()
 
 
-#: Criteria that choose without a pass over the model (an onloaded run may use them).
-ONLOAD_CRITERIA = ("reverse_star", "reverse", "random")
-
-
 def check_onloadable(prune: PruneConfig, calibration: CalibrationConfig, evaluate, save_model) -> None:
     """Before any pass: what an onloaded run (``--model.placement onload``) cannot do yet, each named with its fix."""
     fix = "or load the model whole with --model.placement memory"
     if prune.layers is None and prune.criterion not in ONLOAD_CRITERIA:
-        raise ConfigError(f"--prune.criterion {prune.criterion} scores blocks with passes over the whole model; an "
-                          f"onloaded run selects with {', '.join(ONLOAD_CRITERIA)} or --prune.layers: choose one, {fix}")
+        raise ConfigError(f"--prune.criterion {prune.criterion} scores blocks with forward passes of the whole model; "
+                          f"an onloaded run selects with {', '.join(ONLOAD_CRITERIA)} or --prune.layers: choose one, "
+                          + fix)
     if calibration.mode == "auto" or calibration.solver == "guarded":
         what = "--calibration.mode auto" if calibration.mode == "auto" else "--calibration.solver guarded"
         raise ConfigError(f"{what} judges its maps by the logits of the whole model on held-out windows; onloaded, use "
