@@ -334,5 +334,15 @@ def load_model(cfg: ModelConfig | None = None, **kwargs):
     return model, tokenizer
 
 
+def dequantised_folder(name_or_path: str, dtype: str = "float32", cache_dir: str | None = None) -> Path:
+    """The plain safetensors folder an embedded name or a ``.gguf`` file is de-quantised into (made on first use):
+    what ``--model.placement onload`` reads such a model from."""
+    gguf = resolve_embedded(name_or_path) if name_or_path in EMBEDDED_MODELS else Path(name_or_path).expanduser()
+    folder = _gguf_cache_dir(gguf, dtype, cache_dir)
+    if not (folder / "config.json").exists():
+        load_model(ModelConfig(name_or_path=name_or_path, dtype=dtype, cache_dir=cache_dir, placement="onload"))
+    return folder
+
+
 def num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())

@@ -248,3 +248,20 @@ def test_every_mode_is_a_registered_walk():
 
     assert set(typing.get_args(CalibrationConfig.__annotations__["mode"]) or
                typing.get_args(typing.get_type_hints(CalibrationConfig)["mode"])) == set(WALKS)
+
+
+@pytest.mark.slow
+def test_real_model_onloaded_equals_in_memory(tmp_path):
+    """SmolLM2-135M (real weights, real activations with their outliers), selected by angular distance and repaired
+    by the default joint map: onloaded from its de-quantised safetensors folder, the run writes the same folder as
+    in memory (tensors equal) and the same report."""
+    def run(placement):
+        run_calibration(model=ModelConfig(name_or_path="smollm2-135m", placement=placement),
+                        data=TextDataConfig(source="wiki_summaries", num_samples=16, seq_len=256),
+                        heldout=TextDataConfig(source="wiki_summaries", split="heldout", num_samples=4, seq_len=256),
+                        prune=PruneConfig(criterion="angular", ratio=0.25), calibration=CalibrationConfig(),
+                        trainer=dict(accelerator="cpu", enable_progress_bar=False), output_dir=str(tmp_path / placement))
+
+    run("memory")
+    run("onload")
+    _assert_same_folder(tmp_path / "memory", tmp_path / "onload")
