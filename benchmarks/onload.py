@@ -424,8 +424,8 @@ def predicted_peak(cfg, solver: str, removed: list[int], windows: int, seq_len: 
                    dtype_bytes: int, base: int) -> dict:
     """Peak memory of one rank from the formula of docs/larger-than-memory.md: the process, plus the largest of
     the phases (caching: the embedding table; walk: one block, the states, one batch's activations, the
-    statistics; solve: the statistics freed site by site as the solutions arrive; save: one block or one
-    top-level tensor)."""
+    statistics; solve: the statistics freed site by site as the solutions arrive; held-out: one block, the states,
+    the solutions and their adapters; save: one block or one top-level tensor, and the merged maps)."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     block = (2 * d * q + 2 * d * kv + 3 * d * f + 2 * d) * dtype_bytes
@@ -446,10 +446,12 @@ def predicted_peak(cfg, solver: str, removed: list[int], windows: int, seq_len: 
         solution, extra_states, n_solutions = 8 * (2 * d * d + d), 2 * states, len(spans)  # x held, m kept
     else:
         raise ValueError(f"no memory model for solver {solver!r}")
+    maps = len(spans) * d * d * dtype_bytes  # the merged adapters the pruned model carries
     phases = {"caching": v * d * dtype_bytes + states,
               "walk": block + states + extra_states + acts + stats,
+              "held-out": block + states + extra_states + acts + n_solutions * (solution + d * d * dtype_bytes),
               "solve": stats + solution,
-              "save": max(block, v * d * dtype_bytes) + n_solutions * solution}
+              "save": max(block, v * d * dtype_bytes) + maps}
     worst = max(phases, key=phases.get)
     return {"base_bytes": base, "phases_bytes": phases, "peak_phase": worst, "predicted_peak_bytes": base + phases[worst]}
 

@@ -95,6 +95,8 @@ class Onloaded:
             plain = name.replace("post_feedforward_layernorm.norm.", "post_feedforward_layernorm.")
             if plain in self.files:
                 return plain
+            if name == "lm_head.weight" and "model.embed_tokens.weight" in self.files:  # tied: the head is the table
+                return "model.embed_tokens.weight"
             raise ModelLoadError(f"{self.folder}: no tensor {name!r} in its safetensors files; the folder does not "
                                  "match its config.json")
         return name

@@ -65,6 +65,9 @@ class CalibrationReport:
     refit: dict | None = None
     """``--calibration.refit_kept``: the held-out KL with no re-fit and after each block's (``heldout_kl``), the
     blocks kept (``kept``) and, per kept block, each linear layer's relative weight change (``blocks``)."""
+    heldout_closeness: dict | None = None
+    """Onloaded runs: perplexity of the original / pruned / repaired model on the held-out windows, KL to the original
+    and top-1 agreement (:class:`~shift_lightning.evaluation.heldout.HeldoutCloseness`, block-major)."""
 
     @property
     def criterion(self) -> str:
@@ -73,8 +76,9 @@ class CalibrationReport:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["lambda_relative"], out["rank"] = self.calibration.get("damping"), self.calibration.get("rank")
-        if out["evaluation"] is None:
-            del out["evaluation"]
+        for key in ("evaluation", "heldout_closeness"):
+            if out[key] is None:
+                del out[key]
         return out
 
     @classmethod
@@ -134,6 +138,13 @@ class CalibrationReport:
                     lines.append(f"| {b['block']} | " + " | ".join(f"{v:.4f}" for v in b["relative_change"].values()) + " |")
         if self.evaluation:
             lines += ["", "## Evaluation", "", *evaluation_table(self.evaluation)]
+        if self.heldout_closeness:
+            h = self.heldout_closeness
+            lines += ["", f"## Held-out closeness ({h['windows']} windows, {h['tokens']:,} predicted tokens)", "",
+                      "| model | perplexity | KL to the original | top-1 agreement |", "|---|---:|---:|---:|"]
+            for name in ("original", "pruned", "repaired"):
+                r = h[name]
+                lines.append(f"| {name} | {r['ppl']:.3f} | {cell(r.get('kl'), '.4f')} | {cell(r.get('top1'), '.3f')} |")
         return "\n".join(lines) + "\n"
 
 

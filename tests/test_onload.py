@@ -131,6 +131,7 @@ def _assert_same_folder(a: Path, b: Path) -> None:
         elif name == "calibration_report.json":
             ra, rb = json.loads((a / name).read_text()), json.loads((b / name).read_text())
             ra.pop("seconds"), rb.pop("seconds")
+            assert "heldout_closeness" not in ra and rb.pop("heldout_closeness")["repaired"]["kl"] >= 0  # onloaded
             assert ra == rb
         elif name not in (".shift_lightning.json", "calibration_report.md"):  # fingerprints, times
             assert (a / name).read_bytes() == (b / name).read_bytes(), name
@@ -265,3 +266,46 @@ def test_real_model_onloaded_equals_in_memory(tmp_path):
     run("memory")
     run("onload")
     _assert_same_folder(tmp_path / "memory", tmp_path / "onload")
+
+
+@pytest.mark.parametrize("family,solver,layers", [("llama", "lra_replaceme", [1, 2, 4]), ("llama", "stock", [0, 3]),
+                                                  ("gemma3", "lra_replaceme", [2, 3])])
+def test_heldout_closeness_block_major_equals_full_forwards(folders, family, solver, layers):
+    """The onloaded run's held-out report (perplexity of the original / pruned / repaired model, KL to the original,
+    top-1 agreement; block by block, three streams) equals whole-model forwards of the three models in memory; the
+    same pass in memory equals the onloaded one."""
+    import math
+
+    from shift_lightning.closeness import window_closeness, window_references
+    from shift_lightning.evaluation.heldout import HeldoutCloseness
+    from shift_lightning.nll import token_nll
+    from shift_lightning.surgery import apply_correction, remove_blocks
+
+    mem, tok = load_model(ModelConfig(name_or_path=str(folders[family]), placement="memory"))
+    w = build_windows(TextDataConfig(source=CORPUS, num_samples=8, seq_len=48), tok)
+    h = build_windows(TextDataConfig(source=HELDOUT, num_samples=5, seq_len=40, packing=False), tok)
+    cal = CalibrationModule(copy.deepcopy(mem), layers, CalibrationConfig(solver=solver))
+    cal.calibrate(_trainer(), w, batch_size=3)
+    corr = cal.correction()
+    got = {}
+    for placement in ("memory", "onload"):
+        model = mem if placement == "memory" else load_model(ModelConfig(name_or_path=str(folders[family]),
+                                                                         placement="onload"))[0]
+        rep = HeldoutCloseness(model, layers, corr)
+        rep.run(_trainer(), h, 2)
+        got[placement] = rep.results
+    assert got["memory"] == got["onload"]
+    pruned, repaired = copy.deepcopy(mem), copy.deepcopy(mem)
+    remove_blocks(pruned, layers), remove_blocks(repaired, layers)
+    apply_correction(repaired, corr, 6, layers)
+    refs = window_references(mem, h.input_ids, h.attention_mask, k=256)
+    for name, model in (("original", mem), ("pruned", pruned), ("repaired", repaired)):
+        with torch.no_grad():
+            nll, valid = token_nll(model(input_ids=h.input_ids, attention_mask=h.attention_mask).logits,
+                                   h.input_ids, h.attention_mask)
+        assert got["memory"][name]["ppl"] == pytest.approx(math.exp(nll[valid].double().mean().item()), rel=1e-5)
+        if name != "original":
+            kl, top1 = window_closeness(model, h.input_ids, h.attention_mask, refs)
+            assert got["memory"][name]["kl"] == pytest.approx(kl, rel=1e-4, abs=1e-9)
+            assert got["memory"][name]["top1"] == pytest.approx(top1, abs=1e-9)
+    assert got["memory"]["repaired"]["kl"] < got["memory"]["pruned"]["kl"]

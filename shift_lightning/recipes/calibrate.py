@@ -28,6 +28,7 @@ from ..data import CALIBRATION_SOURCE, DataError, TextDataConfig, build_windows,
 from ..config import default_heldout
 from ..errors import ConfigError
 from ..models import ModelConfig, num_params
+from ..evaluation.heldout import HeldoutCloseness
 from ..outputs import prepare_output, publish_dir
 from ..placement import placement_of
 from ..progress import with_stage_progress
@@ -212,6 +213,11 @@ def run_calibration(
         module.calibrate(make_trainer(), windows, heldout_windows, batch_size=data.batch_size, check=False)
     module.drop_statistics()
     correction = module.correction() if selection.layers else Correction(calibration.solver)
+    closeness = None
+    if placement_of(lm).onloaded and heldout_windows is not None and selection.layers:  # --evaluate's stand-in
+        closeness = HeldoutCloseness(lm, selection.layers, correction)
+        closeness.run(make_trainer(), heldout_windows, heldout.batch_size)
+        closeness = closeness.results
     adapters = correction.adapters
     for note in correction.notes:
         log.warning(note)
@@ -247,7 +253,8 @@ def run_calibration(
         notes=correction.notes, params_before=params_before, params_after=num_params(lm),
         seconds={"selection": t_sel - t0, "calibration": t_cal - t_sel,
                  **({"refit": t_fit - t_cal} if refit else {}), "total": time.time() - t0},
-        evaluation=evals or None, refit=refit)
+        evaluation=evals or None, refit=refit, heldout_closeness=closeness)
+    del module  # the solutions and per-site adapters (d² floats each): the model holds its maps, the report the rest
     if output_dir is not None and dist.rank() == 0:
         spec = ShiftSpec(n_layers, selection.layers, base_model=report.model, criterion=selection.criterion,
                          correction=calibration.solver, refit_blocks=refit_positions(refit))
