@@ -42,6 +42,33 @@ from shift_lightning.outputs import write_json_atomic
 log = logging.getLogger(__name__)
 
 
+def json_close(a, b, rel: float = 1e-9) -> bool:
+    """The same JSON up to floats within ``rel`` of each other."""
+    import math
+
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(json_close(a[k], b[k], rel) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(json_close(x, y, rel) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        return math.isclose(a, b, rel_tol=rel, abs_tol=1e-300) or (a != a and b != b)
+    return a == b
+
+
+def write_json_unless_close(path: Path, doc: dict, rel: float = 1e-9) -> bool:
+    """Write ``doc`` as JSON unless the file holds the same up to floats within ``rel`` (numpy reductions differ in
+    the last digits between machines: a re-render must not leave a clean clone modified); True when written."""
+    path = Path(path)
+    if path.is_file():
+        try:
+            if json_close(json.loads(path.read_text()), json.loads(json.dumps(doc)), rel):
+                return False
+        except ValueError:
+            pass
+    write_json_atomic(path, doc)
+    return True
+
+
 def model_key(name: str) -> str:
     """The folder name of a model's runs."""
     return Path(name).name.replace("/", "_")

@@ -24,7 +24,6 @@ import contextlib
 import importlib
 import io
 import json
-import math
 import logging
 import os
 import shlex
@@ -263,6 +262,7 @@ def committed_tables(root: Path = ROOT) -> list[str]:
 
 def differences(rendered: Path, committed: Path = ROOT) -> list[str]:
     """The ``.md`` / ``.json`` files under ``rendered/results`` whose bytes differ from ``committed/results``."""
+    from experiments.harness import json_close
     out = []
     for p in sorted((rendered / RESULTS).rglob("*")):
         if p.suffix in COMPARED and p.is_file():
@@ -271,20 +271,9 @@ def differences(rendered: Path, committed: Path = ROOT) -> list[str]:
             if not ref.exists():
                 out.append(str(rel))
             elif ref.read_bytes() != p.read_bytes() and not (
-                    str(rel) in FLOAT_NOISE and _close(json.loads(ref.read_text()), json.loads(p.read_text()))):
+                    str(rel) in FLOAT_NOISE and json_close(json.loads(ref.read_text()), json.loads(p.read_text()))):
                 out.append(str(rel))
     return out
-
-
-def _close(a, b, rel: float = 1e-9) -> bool:
-    """The same JSON up to floats within ``rel`` of each other."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(_close(a[k], b[k], rel) for k in a)
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(_close(x, y, rel) for x, y in zip(a, b))
-    if isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
-        return math.isclose(a, b, rel_tol=rel, abs_tol=1e-300) or (a != a and b != b)
-    return a == b
 
 
 def check(out: Path | None = None, quiet: bool = False, plots: bool = True) -> list[str]:

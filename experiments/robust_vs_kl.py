@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shift_lightning.outputs import write_file_atomic, write_json_atomic, write_text_atomic
-from experiments.harness import model_key
+from shift_lightning.outputs import write_file_atomic, write_text_atomic
+from experiments.harness import model_key, write_json_unless_close
 from experiments.tables.common import fmt_ci
 from experiments.tables.paper import load_runs
 
@@ -353,8 +353,8 @@ def render(cfg: RobustVsKLConfig) -> Path:
         raise FileNotFoundError(f"No paper grid with an original row under {list(cfg.grids.values())} for "
                                 f"{cfg.models}: run python -m experiments.reproduce --model <model> first")
     out = Path(cfg.out)
-    write_json_atomic(out.with_suffix(".json"), {"kl_set": cfg.kl_set, "goal": cfg.goal, "n_boot": cfg.n_boot,
-                                                 "grids": cfg.grids, "models": docs})
+    write_json_unless_close(out.with_suffix(".json"), {"kl_set": cfg.kl_set, "goal": cfg.goal, "n_boot": cfg.n_boot,
+                                                       "grids": cfg.grids, "models": docs})  # float noise: untouched
     write_text_atomic(out.with_suffix(".md"), markdown(docs, cfg))
     try:
         plot(out.with_suffix(".png"), docs, cfg)
