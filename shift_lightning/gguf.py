@@ -304,6 +304,8 @@ def export_gguf(folder: str | Path, outfile: str | Path, outtype: str = "f16", l
     llama-cpp-python's sdist, cached), write the folder's per-layer attention pattern where llama.cpp would
     otherwise assume another (:func:`write_attention_pattern`), check the written file's layer metadata
     against the folder and publish it atomically. Returns ``outfile``. Never replaces an existing file unless ``overwrite``."""
+    from .outputs import publish_file
+
     check_outtype(outtype)
     folder = Path(folder).expanduser()
     outfile = Path(outfile).expanduser()
@@ -317,7 +319,7 @@ def export_gguf(folder: str | Path, outfile: str | Path, outtype: str = "f16", l
     except (OSError, ValueError, AttributeError):
         pass
     outfile.parent.mkdir(parents=True, exist_ok=True)
-    tmp = outfile.with_name(f".{outfile.name}.tmp-{os.getpid()}.gguf")
+    tmp = outfile.with_name(f".{outfile.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}.gguf")  # one per export
     try:
         run_converter(checkout, folder, tmp, outtype)
         if not tmp.is_file():
@@ -332,7 +334,7 @@ def export_gguf(folder: str | Path, outfile: str | Path, outtype: str = "f16", l
                 patterned.unlink(missing_ok=True)
         check_layer_metadata(tmp, doc["num_hidden_layers"], original if isinstance(original, int) else None,
                              doc.get("layer_types") if isinstance(doc.get("layer_types"), list) else None)
-        os.replace(tmp, outfile)
+        publish_file(tmp, outfile, overwrite)  # decides at the rename: an export that finished first keeps its file
     except GGUFError as e:
         if "the GGUF's" in str(e):  # name the file the user asked for, not our temporary one
             raise GGUFError(str(e).replace(str(tmp), str(outfile)) + " (nothing was written)") from None

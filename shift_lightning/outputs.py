@@ -274,6 +274,40 @@ def _swap_in(tmp: Path, out: Path, expected=...) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def publish_file(tmp: Path, path: Path, overwrite: bool = False) -> Path:
+    """Move the finished ``tmp`` to ``path``. With ``overwrite`` it replaces what is there; otherwise only if ``path``
+    still does not exist at that moment (renameat2's RENAME_NOREPLACE, or a hard link where that is missing), so a
+    file another run published meanwhile is never replaced: ours is kept beside it and :class:`PublishConflict`
+    says where. The existence check before the work only fails early; this one decides."""
+    import errno
+
+    if overwrite:
+        os.replace(tmp, path)
+        return path
+    done = _renameat2(tmp, path, 1)
+    if done is None:  # no renameat2 here: a hard link fails the same way when path exists
+        try:
+            os.link(tmp, path)
+            tmp.unlink()
+            done = True
+        except FileExistsError:
+            done = False
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV):
+                raise
+            if path.exists():  # no links either (FAT): the check as close to the rename as it gets
+                done = False
+            else:
+                os.rename(tmp, path)
+                done = True
+    if not done:
+        keep = path.with_name(f"{path.name}.run-{os.getpid()}")
+        os.rename(tmp, keep)
+        raise PublishConflict(f"Another run wrote {path} while this one was running; this run's file was kept as "
+                              f"{keep} (nothing was replaced): compare the two, then rename the one you keep")
+    return path
+
+
 def _follow_umask(folder: Path) -> None:
     """Files and folders written into ``folder`` get the modes the umask gives (some writers, e.g.
     safetensors, create their files 0600)."""

@@ -365,3 +365,29 @@ def test_export_writes_the_folders_attention_pattern_where_llama_cpp_would_assum
     (folder / "config.json").write_text(json.dumps({**cfg, "layer_types": _types(9, [0, 1, 2, 3, 4, 5])}))
     kept = export_gguf(folder, tmp_path / "kept.gguf", "f16", llama_cpp=fake_llama_cpp)
     assert "gemma3.attention.sliding_window_pattern" not in GGUFReader(str(kept)).fields
+
+
+def test_two_exports_into_one_new_file_never_replace_each_other(stock, tmp_path, fake_llama_cpp, monkeypatch):
+    """Two exports started together into the same new file: the existence check before the conversion passes for
+    both; the one that finishes second must not replace the first's file (the decision is made at the rename). Its
+    file is kept beside, and the error says where."""
+    from gguf import GGUFReader
+
+    from shift_lightning import gguf as g
+    from shift_lightning.outputs import PublishConflict
+
+    out = tmp_path / "race.gguf"
+    real = g.run_converter
+
+    def converter_while_another_export_finishes(checkout, folder, tmp, outtype):
+        real(checkout, folder, tmp, outtype)
+        monkeypatch.setattr(g, "run_converter", real)
+        export_gguf(stock, out, "q8_0", llama_cpp=fake_llama_cpp)  # the other export, done first
+
+    monkeypatch.setattr(g, "run_converter", converter_while_another_export_finishes)
+    with pytest.raises(PublishConflict, match=rf"Another run wrote {out} .* kept as {out}\.run-\d+ \(nothing was "):
+        export_gguf(stock, out, "f16", llama_cpp=fake_llama_cpp)
+    assert GGUFReader(str(out)).fields["test.outtype"].contents() == "q8_0"  # the first export's file, intact
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("race.gguf.run-")]
+    assert len(kept) == 1 and GGUFReader(str(kept[0])).fields["test.outtype"].contents() == "f16"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".race")]  # no temporary file left
