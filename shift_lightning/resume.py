@@ -12,8 +12,9 @@ shape the trajectory) and its loss history. So:
   ``torch.load(weights_only=True)`` and a pickle, a truncated or a foreign file is one error line
   (:func:`read_checkpoint`), before any compute;
 * a fresh run refuses a checkpoint folder that holds an earlier run's checkpoints unless
-  ``--overwrite`` is given, which deletes them (never a file that is not a checkpoint:
-  :func:`check_checkpoint_dir`, :func:`clear_checkpoints`);
+  ``--overwrite`` is given, which deletes them: only what this tool wrote there, by name and digest
+  (:data:`WRITTEN`), never another file, not even a copy of a checkpoint under another name
+  (:func:`check_checkpoint_dir`, :func:`clear_checkpoints`);
 * checkpoints are written atomically (:class:`AtomicCheckpointIO`: a temporary sibling renamed
   over the old file), so a kill or a full disk while saving leaves the previous one intact.
 """
@@ -141,10 +142,52 @@ def resolve_resume(ckpt_path: str | None, ckpt_dir: Path | None) -> Path | None:
     return Path(ckpt_path).expanduser()
 
 
-def _ours(p: Path) -> bool:
-    """A checkpoint of a run (its run record inside) or an abandoned save of one: what ``--overwrite``
-    may delete (:mod:`~shift_lightning.ownership`); a ``*.ckpt`` a person put there is not."""
-    return is_our_checkpoint(p) if p.suffix == ".ckpt" else abandoned_file(p)
+#: In a checkpoint folder: the name and digest of every checkpoint this tool wrote there (:class:`AtomicCheckpointIO`).
+WRITTEN = ".shift_lightning.checkpoints.json"
+
+
+def _digest(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _written(ckpt_dir: Path) -> dict[str, str] | None:
+    """The folder's record of what this tool wrote (None: none, a folder written before the record existed)."""
+    try:
+        doc = json.loads((ckpt_dir / WRITTEN).read_text())
+    except (OSError, ValueError):
+        return None
+    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(doc, dict) else None
+
+
+def _record_written(path: Path, digest: str | None) -> None:
+    """Add (``digest``) or drop (None) ``path``'s entry in its folder's record, atomically."""
+    folder = path.parent
+    doc = _written(folder) or {}
+    if digest is None:
+        doc.pop(path.name, None)
+    else:
+        doc[path.name] = digest
+    tmp = work_file_name(folder / WRITTEN)
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, folder / WRITTEN)
+
+
+def _ours(p: Path, written: dict[str, str] | None) -> bool:
+    """What ``--overwrite`` may delete (:mod:`~shift_lightning.ownership`): a checkpoint this tool wrote under this
+    name with these bytes (its folder's record, ``written``), the record itself, or an abandoned save. A copy of a
+    checkpoint under another name is the user's, whatever it holds. A folder with no record (written by an older
+    version) falls back on the run record inside the file."""
+    if p.name == WRITTEN:
+        return True
+    if p.suffix != ".ckpt":
+        return abandoned_file(p)
+    if written is None:
+        return is_our_checkpoint(p)
+    return p.name in written and not p.is_symlink() and p.is_file() and _digest(p) == written[p.name]
 
 
 def check_checkpoint_dir(ckpt_dir: Path | None, resuming: bool, overwrite: bool) -> None:
@@ -155,8 +198,8 @@ def check_checkpoint_dir(ckpt_dir: Path | None, resuming: bool, overwrite: bool)
                                 "move the file away, or choose another --output_dir")
     if ckpt_dir is None or resuming or not ckpt_dir.is_dir():
         return
-    entries = sorted(ckpt_dir.iterdir())
-    ckpts = [p.name for p in entries if _ours(p)]
+    entries, written = sorted(ckpt_dir.iterdir()), _written(ckpt_dir)
+    ckpts = [p.name for p in entries if _ours(p, written) and p.name != WRITTEN]
     if (ckpt_dir / "last.ckpt").exists() and "last.ckpt" not in ckpts:
         raise OutputExistsError(f"{ckpt_dir / 'last.ckpt'} is not a checkpoint of a run (no run record), and this run "
                                 "would write its own there: move it out first, or choose another --output_dir")
@@ -165,7 +208,7 @@ def check_checkpoint_dir(ckpt_dir: Path | None, resuming: bool, overwrite: bool)
     if not overwrite:
         raise OutputExistsError(f"{ckpt_dir} holds the checkpoints of an earlier run ({', '.join(ckpts[:3])}); resume "
                                 "it with --ckpt_path last, or pass --overwrite to start afresh (they are deleted)")
-    foreign = [p.name for p in entries if not _ours(p)]
+    foreign = [p.name for p in entries if not _ours(p, written)]
     if foreign:
         raise OutputExistsError(f"{ckpt_dir} holds files that are not checkpoints of a run ({', '.join(foreign[:5])}); "
                                 "--overwrite would delete the checkpoints next to them: move them out first")
@@ -175,9 +218,9 @@ def clear_checkpoints(ckpt_dir: Path | None) -> list[str]:
     """Delete the checkpoints (and leftovers of interrupted saves) in ``ckpt_dir``; nothing else."""
     if ckpt_dir is None or not ckpt_dir.is_dir():
         return []
-    gone = []
-    for p in sorted(ckpt_dir.iterdir()):
-        if _ours(p):
+    gone, written = [], _written(ckpt_dir)
+    for p in sorted(ckpt_dir.iterdir(), key=lambda p: p.name == WRITTEN):  # the record last
+        if _ours(p, written):
             p.unlink()
             gone.append(p.name)
     if gone:
@@ -194,10 +237,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         tmp = work_file_name(path)
         try:
             super().save_checkpoint(checkpoint, tmp, storage_options)
+            digest = _digest(tmp)
             os.replace(tmp, path)
+            _record_written(path, digest)  # what --overwrite may delete later: this name with these bytes
         except BaseException as e:
             tmp.unlink(missing_ok=True)
             if is_write_failure(e):
                 raise OutputError(f"Could not save the checkpoint {path}: {write_failure_reason(e)}; the previous "
                                   "checkpoint stays as it was. Free some space, then resume with --ckpt_path last") from e
             raise
+
+    def remove_checkpoint(self, path) -> None:
+        super().remove_checkpoint(path)
+        _record_written(Path(path), None)

@@ -224,7 +224,7 @@ def test_case8_checkpoints_belong_to_their_run(tmp_path):
     assert not (ckpt / "last.ckpt").exists()  # --overwrite cleared A's checkpoints
     b = _job(tmp_path, lr=1e-3, ckpt_path="last")  # nothing of B's yet: starts at step 0, not from A
     assert b.report.steps == 4 and len(b.report.loss_history) == 4
-    assert sorted(p.name for p in ckpt.iterdir()) == ["last.ckpt"]  # no last-v1.ckpt piling up
+    assert sorted(p.name for p in ckpt.iterdir()) == [".shift_lightning.checkpoints.json", "last.ckpt"]  # no last-v1
     assert read_checkpoint(ckpt / "last.ckpt")["shift_lightning"]["run"]["key"] != a
 
 
@@ -332,7 +332,8 @@ def test_disk_full_while_saving_a_checkpoint_keeps_the_previous_one(tmp_path, mo
     with pytest.raises(OutputError, match=f"Could not save the checkpoint {path}: No space left on device; the previous "
                                           "checkpoint stays as it was"):
         AtomicCheckpointIO().save_checkpoint({"global_step": 2, "w": torch.zeros(3)}, path)
-    assert torch.load(path, weights_only=True)["global_step"] == 1 and os.listdir(tmp_path) == ["last.ckpt"]
+    assert torch.load(path, weights_only=True)["global_step"] == 1
+    assert sorted(os.listdir(tmp_path)) == [".shift_lightning.checkpoints.json", "last.ckpt"]  # no temporary file
 
 
 @pytest.mark.parametrize("damage", ["truncated", "pickle_hf", "pickle_shift"])
@@ -731,3 +732,34 @@ def test_sigterm_outside_a_trainer_stops_like_ctrl_c():
         while not stopping.armed() and time.time() - t0 < 5:
             time.sleep(0.01)
         stopping.disarm()
+
+
+def test_overwrite_deletes_only_the_checkpoints_it_wrote_not_a_copy_under_another_name(tmp_path):
+    """A byte copy of ``last.ckpt`` under another name carries the run's record (it is a copy), yet it is the user's:
+    ``--overwrite`` decides by what the tool recorded when it wrote (name and digest), not by what a file holds."""
+    import shutil
+
+    import torch
+
+    from shift_lightning.outputs import OutputExistsError
+    from shift_lightning.resume import WRITTEN, AtomicCheckpointIO, check_checkpoint_dir, clear_checkpoints
+
+    ck = tmp_path / "out.ckpt"
+    ck.mkdir()
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"shift_lightning": {"run": {"key": "k"}}, "state_dict": {"w": torch.ones(3)}}, ck / "last.ckpt")
+    io.save_checkpoint({"shift_lightning": {"run": {"key": "k"}}, "state_dict": {"w": torch.zeros(3)}},
+                       ck / "step=2.ckpt")
+    io.remove_checkpoint(ck / "step=2.ckpt")  # Lightning rotating its checkpoints
+    shutil.copyfile(ck / "last.ckpt", ck / "mine.ckpt")  # the user's copy: the same bytes, another name
+    with pytest.raises(OutputExistsError, match=r"holds files that are not checkpoints of a run \(mine.ckpt\)"):
+        check_checkpoint_dir(ck, resuming=False, overwrite=True)
+    assert sorted(p.name for p in ck.iterdir()) == sorted([WRITTEN, "last.ckpt", "mine.ckpt"])
+    (ck / "mine.ckpt").rename(tmp_path / "mine.ckpt")  # moved out, as the error says: now --overwrite clears
+    check_checkpoint_dir(ck, resuming=False, overwrite=True)
+    assert clear_checkpoints(ck) == ["last.ckpt", WRITTEN] and not list(ck.iterdir())
+    (ck / "x.ckpt").write_bytes((tmp_path / "mine.ckpt").read_bytes())  # no record left: legacy rule, still ours
+    io.save_checkpoint({"shift_lightning": {"run": {}}, "state_dict": {}}, ck / "last.ckpt")
+    (ck / "last.ckpt").write_bytes((tmp_path / "mine.ckpt").read_bytes())  # ours replaced by other bytes
+    with pytest.raises(OutputExistsError, match="last.ckpt is not a checkpoint of a run"):
+        check_checkpoint_dir(ck, resuming=False, overwrite=True)
