@@ -35,6 +35,8 @@ from ..surgery import fold_down, fold_replaceme
 
 #: The streams and what the report calls them.
 STREAMS = {"o": "original", "p": "pruned", "r": "repaired"}
+#: Positions of logits at a time (``CHUNK × V`` floats: 64 MB at Llama-3's vocabulary).
+CHUNK = 128
 
 
 class HeldoutCloseness(DataPass):
@@ -121,12 +123,12 @@ class HeldoutCloseness(DataPass):
                     real = e["mask"][b]
                     rows = (e["ids"][b:b + 1], e["am"][b:b + 1])
                     for i, s in enumerate(STREAMS):
-                        nll, n = lm_nll_sum(hid[s][b:b + 1], head, *rows, softcap=cap)
+                        nll, n = lm_nll_sum(hid[s][b:b + 1], head, *rows, chunk_tokens=CHUNK, softcap=cap)
                         sums[i] += nll.double()
                     sums[3] += n
-                    ref = topk_from_hidden(hid["o"][b][real], head, self.topk, cap)
+                    ref = topk_from_hidden(hid["o"][b][real], head, self.topk, cap, chunk=CHUNK)
                     for i, s in enumerate(("p", "r")):
-                        kl, top1 = kl_top1_from_hidden(hid[s][b][real], head, ref, cap)
+                        kl, top1 = kl_top1_from_hidden(hid[s][b][real], head, ref, cap, chunk=CHUNK)
                         sums[4 + i] += kl.double().sum().to(sums.device)
                         sums[6 + i] += top1.double().sum().to(sums.device)
                     sums[8] += float(real.sum())

@@ -213,6 +213,8 @@ def run_calibration(
         module.calibrate(make_trainer(), windows, heldout_windows, batch_size=data.batch_size, check=False)
     module.drop_statistics()
     correction = module.correction() if selection.layers else Correction(calibration.solver)
+    site_reports, span_reports = module.site_reports(), module.span_reports()
+    del module  # the solutions and per-site adapters (d² floats each): the correction holds the maps, the report the rest
     closeness = None
     if placement_of(lm).onloaded and heldout_windows is not None and selection.layers:  # --evaluate's stand-in
         closeness = HeldoutCloseness(lm, selection.layers, correction)
@@ -248,13 +250,12 @@ def run_calibration(
         heldout_data=asdict(heldout) if heldout_windows is not None else None,
         calibration_tokens=windows.num_tokens,
         heldout_tokens=heldout_windows.num_tokens if heldout_windows is not None else 0,
-        world_size=dist.world_size(), sites=module.site_reports(), spans=module.span_reports(),
+        world_size=dist.world_size(), sites=site_reports, spans=span_reports,
         adapters=_adapter_table(n_layers, selection.layers, adapters), branch_maps=sorted(correction.branch_maps),
         notes=correction.notes, params_before=params_before, params_after=num_params(lm),
         seconds={"selection": t_sel - t0, "calibration": t_cal - t_sel,
                  **({"refit": t_fit - t_cal} if refit else {}), "total": time.time() - t0},
         evaluation=evals or None, refit=refit, heldout_closeness=closeness)
-    del module  # the solutions and per-site adapters (d² floats each): the model holds its maps, the report the rest
     if output_dir is not None and dist.rank() == 0:
         spec = ShiftSpec(n_layers, selection.layers, base_model=report.model, criterion=selection.criterion,
                          correction=calibration.solver, refit_blocks=refit_positions(refit))
