@@ -178,7 +178,7 @@ def read_shift_config(path: str | Path) -> ShiftSpec:
     return ShiftSpec.from_dict(read_json(file), file)
 
 
-def _rebuild_from_base(path: Path, spec: ShiftSpec, dtype, trust: bool = False):
+def _rebuild_from_base(path: Path, spec: ShiftSpec, dtype, trust: bool = False, accept_other_base: bool = False):
     """The pruned model of an adapter-only folder (``trust``: the user's own trust_remote_code flag only)."""
     from .models import ModelConfig, load_model
     from .remote_code import base_model_settings, load_tokenizer
@@ -190,6 +190,15 @@ def _rebuild_from_base(path: Path, spec: ShiftSpec, dtype, trust: bool = False):
     if dtype is not None:
         base = ModelConfig(**{**base.__dict__, "dtype": str(dtype).replace("torch.", "")})
     model, tokenizer = load_model(base)
+    if spec.base_fingerprint is not None and not accept_other_base:
+        from .fingerprints import weights_fingerprint
+
+        now = weights_fingerprint(model)
+        if now != spec.base_fingerprint:
+            raise SurgeryError(f"{path}: its maps were fitted on a base model with other weights than "
+                               f"{base.name_or_path!r} holds now (fingerprint {spec.base_fingerprint}, now {now}): the "
+                               "maps would not fit it. Restore that base, or pass accept_other_base=True to "
+                               "load_pretrained to load them anyway")
     n = len(decoder_layers(model))
     if n != spec.original_num_layers:
         raise SurgeryError(f"{path / SHIFT_CONFIG}: the base model {base.name_or_path!r} has {n} blocks, the record "
@@ -221,10 +230,11 @@ def _check_against_config(path: Path, spec: ShiftSpec) -> None:
                                    f"{s.get('dim') if isinstance(s, dict) else s!r}, the model's hidden size is {dim}")
 
 
-def load_pretrained(source, dtype: str | torch.dtype | None = None, device=None):
+def load_pretrained(source, dtype: str | torch.dtype | None = None, device=None, accept_other_base: bool = False):
     """Load ``(model, tokenizer)``: a saved folder with its adapters in place (see the module doc),
     or, unpruned, anything :func:`~shift_lightning.models.load_model` accepts (an HF id or folder, a
-    ``.gguf``, an embedded name such as ``smollm2-135m``, or a ``ModelConfig``)."""
+    ``.gguf``, an embedded name such as ``smollm2-135m``, or a ``ModelConfig``). An adapter-only folder is refused
+    when its base now holds other weights than the maps were fitted on (``accept_other_base``: load anyway)."""
     from .models import ModelConfig, load_model
 
     cfg = source if isinstance(source, ModelConfig) else ModelConfig(name_or_path=str(source))
@@ -235,7 +245,8 @@ def load_pretrained(source, dtype: str | torch.dtype | None = None, device=None)
         return (model.to(device) if device is not None else model), tokenizer
     if dtype is None and isinstance(source, ModelConfig):
         dtype = cfg.dtype
-    return _load_shift_folder(Path(cfg.name_or_path).expanduser(), dtype, device, cfg.trust_remote_code)
+    return _load_shift_folder(Path(cfg.name_or_path).expanduser(), dtype, device, cfg.trust_remote_code,
+                              accept_other_base)
 
 
 def _read_weights(path: Path, spec: ShiftSpec) -> dict[str, torch.Tensor]:
@@ -277,7 +288,7 @@ def _read_weights(path: Path, spec: ShiftSpec) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _load_shift_folder(path: Path, dtype, device, trust: bool = False):
+def _load_shift_folder(path: Path, dtype, device, trust: bool = False, accept_other_base: bool = False):
     from transformers import AutoModelForCausalLM
     from .remote_code import is_marked, load_tokenizer, plain_config
 
@@ -288,7 +299,7 @@ def _load_shift_folder(path: Path, dtype, device, trust: bool = False):
         check_model_config(path)
     weights = _read_weights(path, spec)
     if adapter_only:
-        model, tokenizer = _rebuild_from_base(path, spec, dtype, trust)
+        model, tokenizer = _rebuild_from_base(path, spec, dtype, trust, accept_other_base)
     else:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)

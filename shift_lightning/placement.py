@@ -118,6 +118,12 @@ class Onloaded:
         self.bytes_read += math.prod(shape) * _STORED_SIZE.get(sl.get_dtype(), 4)
         return out
 
+    def rows(self, name: str, i: int) -> torch.Tensor:
+        """Row ``i`` of a stored tensor (a 1-D tensor: the whole of it), as stored."""
+        name = self._stored_name(name)
+        sl = self._handle(self.files[name]).get_slice(name)
+        return sl[i:i + 1] if len(sl.get_shape()) > 1 else sl[:]
+
     def load(self, module: nn.Module, prefix: str, device=None) -> None:
         """Read ``module``'s meta parameters (``prefix + name`` in the files) into it, cast, on ``device``; then
         the folds registered for ``prefix`` (:meth:`after_load`) change them as surgery changed the skeleton."""

@@ -48,6 +48,9 @@ class ShiftSpec:
     adapter-only folder stores their weights in ``lra.safetensors`` as ``kept.<position>.<layer>.weight``."""
     recovered: bool | None = None
     recovery_steps: int | None = None
+    base_fingerprint: str | None = None
+    """Adapter-only folders: :func:`~shift_lightning.fingerprints.weights_fingerprint` of the base the maps were fitted
+    on; loading them onto a base with other weights is refused."""
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
     """Anything else the writer recorded."""
@@ -101,6 +104,9 @@ class ShiftSpec:
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n - len(pruned) for i in refit)):
             raise SurgeryError(f"{source}: 'refit_blocks' must list distinct positions of the pruned model's "
                                f"{n - len(pruned)} blocks, got {refit!r}")
+        fp = doc.get("base_fingerprint")
+        if fp is not None and not (isinstance(fp, str) and fp):
+            raise SurgeryError(f"{source}: 'base_fingerprint' must be a string, got {fp!r}")
         known = {f.name for f in fields(cls)} - {"extra"}
         return cls(**{k: doc[k] for k in known if k in doc},
                    extra={k: v for k, v in doc.items() if k not in known})

@@ -763,3 +763,65 @@ def test_overwrite_deletes_only_the_checkpoints_it_wrote_not_a_copy_under_anothe
     (ck / "last.ckpt").write_bytes((tmp_path / "mine.ckpt").read_bytes())  # ours replaced by other bytes
     with pytest.raises(OutputExistsError, match="last.ckpt is not a checkpoint of a run"):
         check_checkpoint_dir(ck, resuming=False, overwrite=True)
+
+
+def test_an_adapter_only_folder_refuses_a_base_whose_weights_changed(tmp_path):
+    """An adapter-only folder names its base by path; when that folder is replaced by a same-shape model with other
+    weights, its maps no longer fit: loading is refused (the record carries the base's fingerprint), unless asked."""
+    import torch
+
+    from shift_lightning import load_pretrained
+    from shift_lightning.calibration import CalibrationConfig
+    from shift_lightning.criteria import PruneConfig
+    from shift_lightning.data import TextDataConfig
+    from shift_lightning.models import ModelConfig, build_tiny_model
+    from shift_lightning.recipes.calibrate import run_calibration
+    from shift_lightning.surgery import SurgeryError
+
+    base = tmp_path / "base"
+    model, tok = build_tiny_model("llama", num_hidden_layers=4, seed=0)
+    model.save_pretrained(base), tok.save_pretrained(base)
+    corpus = CORPUS
+    run_calibration(model=ModelConfig(name_or_path=str(base)), prune=PruneConfig(layers=[2]),
+                    data=TextDataConfig(source=corpus, num_samples=4, seq_len=32), calibration=CalibrationConfig(),
+                    heldout=TextDataConfig(source=corpus, num_samples=0), trainer=dict(accelerator="cpu",
+                    enable_progress_bar=False), output_dir=str(tmp_path / "out.calibration"), save_model="adapters")
+    ids = torch.tensor([[5, 9, 33, 100, 7]])
+    before = load_pretrained(str(tmp_path / "out.calibration"))[0](ids).logits
+    other, _ = build_tiny_model("llama", num_hidden_layers=4, seed=1)  # same shape, other weights
+    other.save_pretrained(base)
+    with pytest.raises(SurgeryError, match=r"fitted on a base model with other weights .* accept_other_base=True"):
+        load_pretrained(str(tmp_path / "out.calibration"))
+    swapped = load_pretrained(str(tmp_path / "out.calibration"), accept_other_base=True)[0](ids).logits
+    assert not torch.allclose(before, swapped)
+    model.save_pretrained(base)  # the base restored: loads as before
+    assert torch.equal(load_pretrained(str(tmp_path / "out.calibration"))[0](ids).logits, before)
+
+
+@pytest.mark.parametrize("cmd,delays", [
+    (["calibrate.py", "--config", "configs/tiny.yaml", "--trainer.enable_progress_bar", "false"], (0.5, 1.0, 1.5)),
+    (["-m", "shift_lightning.recipes.gguf", "--model", "/nonexistent", "--out", "x.gguf"], (0.05, 0.1)),
+])
+def test_ctrl_c_while_an_entry_point_starts_is_one_line_and_130(tmp_path, cmd, delays):
+    """Ctrl-C during the imports of torch and Lightning (or of the GGUF export's command line): one line, status
+    130, no traceback, as the docs promise from the first second on."""
+    for d in delays:
+        args = [sys.executable, *cmd] + (["--output_dir", str(tmp_path / f"o{d}")] if "calibrate.py" in cmd else [])
+        p = subprocess.Popen(args, cwd=tmp_path if "-m" in cmd else ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        time.sleep(d)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+        if p.returncode == 2 and "error:" in err:  # it was already past start-up and refused the input: fine
+            continue
+        assert p.returncode == 130 and "Traceback" not in err, (d, p.returncode, err[-1500:])
+        assert err.strip().splitlines()[-1].startswith("interrupted:"), err[-500:]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_asking_for_a_gpu_on_a_machine_without_one_is_one_line():
+    r = subprocess.run([sys.executable, "calibrate.py", "--config", "configs/tiny.yaml", "--trainer.accelerator", "gpu",
+                        "--output_dir", "/nonexistent/out"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "error: --trainer.accelerator gpu: this machine has no usable GPU" in r.stderr
+    assert "--trainer.accelerator cpu" in r.stderr

@@ -20,6 +20,7 @@ from typing import Any, Callable, Literal
 import lightning as L
 from torch import nn
 
+from .trainer import build_trainer
 from .. import dist
 from ..arch import decoder_layers
 from ..calibration import CalibrationConfig, CalibrationModule, Correction, check_windows
@@ -29,6 +30,7 @@ from ..config import default_heldout
 from ..errors import ConfigError
 from ..models import ModelConfig, num_params
 from ..evaluation.heldout import HeldoutCloseness
+from ..fingerprints import weights_fingerprint
 from ..outputs import prepare_output, publish_dir
 from ..placement import placement_of
 from ..progress import with_stage_progress
@@ -126,7 +128,7 @@ def make_trainer_factory(trainer: dict | L.Trainer | None) -> Callable[[], L.Tra
 
     def make() -> L.Trainer:  # one Trainer serves every pass (criteria, statistics, held-out)
         if not cache:
-            cache.append(L.Trainer(**kwargs))
+            cache.append(build_trainer(**kwargs))
         return cache[0]
 
     return make
@@ -176,6 +178,7 @@ def run_calibration(
         raise ConfigError("The model has no tokenizer; calibration needs one to tokenise the data")
     if placement_of(lm).onloaded:
         check_onloadable(prune, calibration, evaluate, save_model)
+    base_fingerprint = weights_fingerprint(lm) if save_model == "adapters" else None  # the base, as loaded
     n_layers = len(decoder_layers(lm))
     if prune.layers is not None:  # index checks need the model's depth, but not the data
         check_layers(list(prune.layers), n_layers)
@@ -258,7 +261,8 @@ def run_calibration(
         evaluation=evals or None, refit=refit, heldout_closeness=closeness)
     if output_dir is not None and dist.rank() == 0:
         spec = ShiftSpec(n_layers, selection.layers, base_model=report.model, criterion=selection.criterion,
-                         correction=calibration.solver, refit_blocks=refit_positions(refit))
+                         correction=calibration.solver, refit_blocks=refit_positions(refit),
+                         base_fingerprint=base_fingerprint)
 
         card = CardFacts(command=command, calibration=report.to_dict())
 

@@ -229,11 +229,26 @@ def _fail(e: ShiftError, debug: bool):
     raise SystemExit(2) from None
 
 
+#: What an entry point says when Ctrl-C arrives while it starts (imports, parsing), before any work.
+STARTING = "interrupted: stopped on Ctrl-C while starting (nothing was run)\n"
+
+
 def entry(run: Callable, argv: list[str] | None = None, parse: Callable | None = None):
     """Run an entry point: ``parse(argv)`` (then ``run(parsed)``; without ``parse``, ``run(argv)``),
-    ``--debug`` handling, project errors as one line and exit status 2, Ctrl-C as one line and status 130,
-    the run guarded in every process (:func:`~shift_lightning.stopping.guarded`). Parsing (``--help``,
-    ``--print_config``, a refused command line) happens before torch or Lightning is imported."""
+    ``--debug`` handling, project errors as one line and exit status 2, Ctrl-C as one line and status 130 —
+    from the first line on: while starting (parsing, importing torch and Lightning) too —, the run guarded in every
+    process (:func:`~shift_lightning.stopping.guarded`). Parsing (``--help``, ``--print_config``, a refused command
+    line) happens before torch or Lightning is imported."""
+    try:
+        return _entry(run, argv, parse)
+    except KeyboardInterrupt:  # the run's own Ctrl-C is a SystemExit(130) by now: this is the start-up window
+        if "--debug" in (sys.argv[1:] if argv is None else argv):
+            raise
+        sys.stderr.write(STARTING)
+        raise SystemExit(130) from None
+
+
+def _entry(run: Callable, argv: list[str] | None, parse: Callable | None):
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .trainer import build_trainer
 from .. import dist
 from ..evaluation.runner import EvalConfig, EvalModule, markdown_table
 from ..evaluation.tasks import parse_tasks
@@ -71,7 +72,7 @@ def run_evaluation(model_cfg: ModelConfig, cfg: EvalConfig, trainer: dict | None
         parse_tasks(cfg.tasks)  # unknown task names fail before loading the model
     model, tokenizer = load_pretrained(model_cfg)
     module = EvalModule(model, tokenizer, cfg)
-    t = L.Trainer(**with_signal_guard(with_stage_progress({**EVAL_TRAINER_DEFAULTS, **(trainer or {})})))
+    t = build_trainer(**with_signal_guard(with_stage_progress({**EVAL_TRAINER_DEFAULTS, **(trainer or {})})))
     res = module.evaluate(t)
     check_metrics(eval_metrics(res), "evaluation", "Check the model and the options (e.g. --ppl_max_windows)")
     if t.is_global_zero and output_dir:

@@ -73,7 +73,11 @@ def run(cfg: GGUFExportConfig):
 def main(argv: list[str] | None = None):
     import dataclasses
 
-    from .cli import dataclass_parser, entry, parse_args
+    try:  # the command line's imports take a second: Ctrl-C then is one line, as in every entry point
+        from .cli import dataclass_parser, entry, parse_args
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted: stopped on Ctrl-C while starting (nothing was run)\n")
+        raise SystemExit(130) from None
 
     def parse(args: list[str]) -> GGUFExportConfig:
         p = dataclass_parser(GGUFExportConfig, __doc__.splitlines()[0])

@@ -119,6 +119,24 @@ class RecoveryTrainerConfig(TrainerConfig):
         return kw
 
 
+def build_trainer(**kwargs):
+    """``lightning.Trainer(**kwargs)``; what Lightning refuses about this machine (no GPU for ``--trainer.accelerator
+    gpu``, more devices than it has, …) is one line naming the setting and its fix, not Lightning's traceback."""
+    import lightning as L
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    try:
+        return L.Trainer(**kwargs)
+    except MisconfigurationException as e:
+        msg = " ".join(str(e).split())
+        acc, dev = kwargs.get("accelerator"), kwargs.get("devices")
+        if "gpu backend" in msg or ("not available" in msg.lower() and acc in ("gpu", "cuda", "mps")):
+            raise ConfigError(f"--trainer.accelerator {acc}: this machine has no usable {acc.upper()} ({msg}); use "
+                              "--trainer.accelerator cpu, or auto to take one when there is one") from None
+        raise ConfigError(f"Lightning cannot run --trainer.accelerator {acc} --trainer.devices {dev} here: {msg}; "
+                          "change those --trainer.* settings") from None
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
