@@ -40,7 +40,8 @@ from .lra import AdapterSpec, LinearResidualAdapter
 from .peers import fold_replaceme
 from .surgery import SurgeryError, adapter_set, attach_adapters, branch_maps, fold_down, fold_embedding, remove_blocks
 from .record import FORMAT_VERSION, LRA_WEIGHTS, SHIFT_CONFIG, ShiftSpec  # noqa: F401  (re-exported)
-from .weightfiles import check_finite, check_model_config, check_safetensors_files, pickles_in, refusing_pickles
+from .weightfiles import (check_finite, check_model_config, check_safetensors_files, check_weight_shapes, pickles_in,
+                          refusing_pickles)
 
 
 def _adapter_entries(model: nn.Module) -> tuple[list[dict], dict[str, torch.Tensor]]:
@@ -310,6 +311,7 @@ def _load_shift_folder(path: Path, dtype, device, trust: bool = False, accept_ot
                                "; the folder is damaged")
         doc = read_json(path / "config.json")  # a marked folder: its stock config, none of its code
         config = plain_config(doc) if is_marked(doc) else None
+        check_weight_shapes(path, files, config)  # an edited config.json: named before transformers re-initialises
         with refusing_pickles(path):
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype or "auto",
                                                          trust_remote_code=False, use_safetensors=True)

@@ -277,19 +277,33 @@ def _load_hf(path: str, cfg: ModelConfig):
     except ModelLoadError:
         raise
     except (OSError, ValueError) as e:
+        _refuse_custom_code(path, e)
         raise ModelLoadError(f"Could not load a tokenizer from {path!r}: {e}") from e
-    from .weightfiles import check_finite, check_safetensors_files, refusing_pickles
+    from .weightfiles import check_finite, check_safetensors_files, check_weight_shapes, refusing_pickles
 
     files = check_safetensors_files(path)  # cut or damaged files are named before transformers trips on them
+    check_weight_shapes(path, files)  # an edited config.json: named, before transformers re-initialises tensors
     from .placement import build_onloaded, resolve
 
     local = Path(path).expanduser()
     if resolve(cfg.placement, local if local.is_dir() else None, _DTYPES[cfg.dtype]) == "onload":
         return build_onloaded(local, _DTYPES[cfg.dtype], cfg.trust_remote_code), tokenizer
-    with refusing_pickles(path):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **kw)
+    try:
+        with refusing_pickles(path):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **kw)
+    except ValueError as e:
+        _refuse_custom_code(path, e)
+        raise
     check_finite(model, path, files)
     return model, tokenizer
+
+
+def _refuse_custom_code(path: str, e: Exception) -> None:
+    """transformers' "contains custom code" refusal as one line naming the fix (no code ran)."""
+    if "custom code" in str(e):
+        raise ModelLoadError(f"{path} needs Python code of its own to load (its config.json names a custom "
+                             "architecture), which shift-lightning never runs unless asked: if you trust it, pass "
+                             "--model.trust_remote_code true (in Python: ModelConfig(trust_remote_code=True))") from None
 
 
 def load_model(cfg: ModelConfig | None = None, **kwargs):

@@ -97,6 +97,37 @@ def check_safetensors_files(folder: str | Path) -> dict[str, Path]:
     return where
 
 
+def check_weight_shapes(folder: str | Path, files: dict[str, Path], config=None) -> None:
+    """Refuse a folder whose ``config.json`` does not match its weights (an edited ``vocab_size``, another model's
+    config), naming the first tensor and both shapes, before transformers loads (and re-initialises) anything. The
+    model of the config is built on the meta device (no memory); ``config``: the one to load with (default: the
+    folder's)."""
+    if not files:
+        return
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    try:
+        config = config or AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+        with init_empty_weights():
+            want = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    except Exception:  # what the config cannot build is for the loader to report
+        return
+    from safetensors import safe_open
+
+    for name, path in sorted(files.items()):
+        if name not in want or path.name == "lra.safetensors":
+            continue
+        with safe_open(str(path), framework="pt") as f:
+            have = tuple(f.get_slice(name).get_shape())
+        if have != want[name]:
+            raise ModelLoadError(f"{folder}: config.json does not match the weights: {name} is stored as "
+                                 f"{' × '.join(map(str, have))}, the config makes it {' × '.join(map(str, want[name]))}; "
+                                 "the config was edited or belongs to another model: restore the folder's own "
+                                 "config.json")
+
+
 def pickles_in(folder: str | Path) -> list[str]:
     folder = Path(folder)
     return sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES) if folder.is_dir() else []

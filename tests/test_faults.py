@@ -825,3 +825,54 @@ def test_asking_for_a_gpu_on_a_machine_without_one_is_one_line():
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "error: --trainer.accelerator gpu: this machine has no usable GPU" in r.stderr
     assert "--trainer.accelerator cpu" in r.stderr
+
+
+def test_an_edited_vocab_size_in_config_json_is_one_line(tmp_path):
+    """``config.json``'s ``vocab_size`` edited: named with the tensor and both shapes, before transformers re-initialises
+    anything (``load_pretrained`` and ``evaluate.py`` alike)."""
+    from shift_lightning import load_pretrained
+    from shift_lightning.arch import ModelLoadError
+    from shift_lightning.models import build_tiny_model
+
+    m, t = build_tiny_model("llama", num_hidden_layers=3)
+    m.save_pretrained(tmp_path / "m"), t.save_pretrained(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "vocab_size": 300}))
+    with pytest.raises(ModelLoadError, match=r"config.json does not match the weights: \S+ is stored as 259 × 32, the "
+                                             r"config makes it 300 × 32"):
+        load_pretrained(str(tmp_path / "m"))
+    r = subprocess.run([sys.executable, "evaluate.py", "--model.name_or_path", str(tmp_path / "m"), "--tasks", "",
+                        "--ppl", HELDOUT, "--output_dir", str(tmp_path / "e")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "ignore_mismatched_sizes" not in r.stderr, r.stderr
+    assert "error:" in r.stderr and "restore the folder's own config.json" in r.stderr
+
+
+def test_a_base_that_needs_custom_code_is_one_line_and_runs_nothing(tmp_path):
+    """A folder whose config.json names a custom architecture (auto_map), loaded directly or as the base of an
+    adapter-only folder whose record asks for remote code: one error naming the flag, and its code never runs."""
+    from shift_lightning import load_pretrained
+    from shift_lightning.arch import ModelLoadError
+    from shift_lightning.models import build_tiny_model
+
+    m, t = build_tiny_model("llama", num_hidden_layers=3)
+    base = tmp_path / "custom"
+    m.save_pretrained(base), t.save_pretrained(base)
+    cfg = json.loads((base / "config.json").read_text())
+    cfg.update(model_type="xllama", auto_map={"AutoConfig": "modeling_x.XConfig",
+                                              "AutoModelForCausalLM": "modeling_x.XModel"})
+    (base / "config.json").write_text(json.dumps(cfg))
+    (base / "modeling_x.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('ran')\n")
+    with pytest.raises(ModelLoadError, match="needs Python code of its own .* --model.trust_remote_code true"):
+        load_pretrained(str(base))
+    folder = tmp_path / "maps.calibration"
+    folder.mkdir()
+    (folder / "shift_config.json").write_text(json.dumps({
+        "original_num_layers": 3, "pruned_layers": [1], "weights": "adapters", "adapters": [],
+        "base_model": {"name_or_path": str(base), "trust_remote_code": True}}))
+    from safetensors.torch import save_file
+
+    save_file({}, str(folder / "lra.safetensors"))
+    with pytest.raises(ModelLoadError, match="needs Python code of its own"):
+        load_pretrained(str(folder))
+    assert not (tmp_path / "ran").exists()
