@@ -178,9 +178,17 @@ def load_texts(source: str, split: str = "calibration", text_field: str = "text"
     if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
         import datasets
 
-        ds = datasets.load_from_disk(str(p))
+        try:
+            ds = datasets.load_from_disk(str(p))
+        except (OSError, ValueError, KeyError) as e:  # FileNotFoundError for a missing state.json or arrow file
+            why = " ".join(str(e).split())[:200] or type(e).__name__
+            raise DataError(f"{p} has the layout of a datasets save_to_disk folder but cannot be loaded ({why}): save it "
+                            "again with Dataset.save_to_disk, or point --data.source at .txt/.json/.jsonl files") from None
         if isinstance(ds, datasets.DatasetDict):
             ds = ds[split if split in ds else list(ds)[0]]
+        if text_field not in ds.column_names:
+            raise DataError(f"{p} has no column {text_field!r} (its columns: {', '.join(ds.column_names)}); set "
+                            "--data.text_field to the one holding the text")
         return [t for t in ds[text_field] if t and t.strip()]
     files = sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".json", ".jsonl")) if p.is_dir() else [p]
     if not files:

@@ -876,3 +876,25 @@ def test_a_base_that_needs_custom_code_is_one_line_and_runs_nothing(tmp_path):
     with pytest.raises(ModelLoadError, match="needs Python code of its own"):
         load_pretrained(str(folder))
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_save_to_disk_folder_with_the_wrong_layout_is_one_line(tmp_path):
+    """``--data.source`` a folder that looks like ``datasets``' ``save_to_disk`` output but is not whole (no state,
+    no arrow file), or lacks the text column: one line, exit 2, naming the folder and the fix."""
+    bad = tmp_path / "ds"
+    bad.mkdir()
+    (bad / "dataset_info.json").write_text("{}")
+    r = subprocess.run([sys.executable, "calibrate.py", "--config", "configs/tiny.yaml", "--data.source", str(bad),
+                        "--output_dir", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"error: {bad} has the layout of a datasets save_to_disk folder but cannot be loaded" in r.stderr
+
+    import datasets
+
+    from shift_lightning.errors import DataError
+    from shift_lightning.sources import load_texts
+
+    datasets.Dataset.from_dict({"body": ["some text"]}).save_to_disk(str(tmp_path / "ok"))
+    with pytest.raises(DataError, match=r"has no column 'text' \(its columns: body\); set --data.text_field"):
+        load_texts(str(tmp_path / "ok"))
+    assert load_texts(str(tmp_path / "ok"), text_field="body") == ["some text"]
