@@ -304,7 +304,7 @@ def export_gguf(folder: str | Path, outfile: str | Path, outtype: str = "f16", l
     llama-cpp-python's sdist, cached), write the folder's per-layer attention pattern where llama.cpp would
     otherwise assume another (:func:`write_attention_pattern`), check the written file's layer metadata
     against the folder and publish it atomically. Returns ``outfile``. Never replaces an existing file unless ``overwrite``."""
-    from .outputs import publish_file
+    from .outputs import is_write_failure, publish_file, write_failure_reason
 
     check_outtype(outtype)
     folder = Path(folder).expanduser()
@@ -338,6 +338,11 @@ def export_gguf(folder: str | Path, outfile: str | Path, outtype: str = "f16", l
     except GGUFError as e:
         if "the GGUF's" in str(e):  # name the file the user asked for, not our temporary one
             raise GGUFError(str(e).replace(str(tmp), str(outfile)) + " (nothing was written)") from None
+        raise
+    except OSError as e:  # our own writes (the attention pattern, the publish): a full disk is named as such
+        if is_write_failure(e):
+            raise GGUFError(f"Could not write {outfile}: {write_failure_reason(e)} (nothing was written); free some "
+                            "space, or write --out to another disk") from None
         raise
     finally:
         tmp.unlink(missing_ok=True)

@@ -132,6 +132,11 @@ def run_converter(checkout: Path, folder: Path, outfile: Path, outtype: str) -> 
         raise GGUFError(f"Cannot run {checkout / CONVERTER}: {e}") from None
     if r.returncode != 0:
         out = (r.stdout or "") + (r.stderr or "")
+        if re.search(r"No space left on device|Errno 28\b|ENOSPC|Disk quota exceeded|Errno 122\b", out):
+            free = shutil.disk_usage(outfile.parent).free
+            raise GGUFError(f"The disk holding {outfile.parent} is full ({free / 1e6:.0f} MB free): llama.cpp's "
+                            "converter could not write the GGUF (nothing was written). Free some space, or write --out "
+                            "to another disk") from None
         hint = ""
         m = re.search(r"No module named '([\w.]+)'", out)
         if m:

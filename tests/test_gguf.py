@@ -218,6 +218,11 @@ FAKE = textwrap.dedent("""
         print("INFO:hf-to-gguf:Loading model", file=sys.stderr)
         print("KeyError: 'some tensor'", file=sys.stderr)
         sys.exit(1)
+    if mode == "full":  # what the converter prints when the disk fills up under it
+        print("Traceback (most recent call last):", file=sys.stderr)
+        print('  File "convert_hf_to_gguf.py", line 1, in write', file=sys.stderr)
+        print("OSError: [Errno 28] No space left on device", file=sys.stderr)
+        sys.exit(1)
     n = json.loads((Path(a.model) / "config.json").read_text())["num_hidden_layers"]
     blocks = n + (1 if mode == "stale" else 0)
     w = gguf.GGUFWriter(a.outfile, "gemma3" if mode == "gemma3" else "llama")
@@ -391,3 +396,16 @@ def test_two_exports_into_one_new_file_never_replace_each_other(stock, tmp_path,
     kept = [p for p in tmp_path.iterdir() if p.name.startswith("race.gguf.run-")]
     assert len(kept) == 1 and GGUFReader(str(kept[0])).fields["test.outtype"].contents() == "f16"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".race")]  # no temporary file left
+
+
+def test_a_full_disk_under_the_converter_is_named_not_its_traceback(stock, tmp_path, fake_llama_cpp, monkeypatch, capsys):
+    from shift_lightning.recipes import gguf as cli
+
+    monkeypatch.setenv("FAKE_CONVERTER", "full")
+    out = tmp_path / "full.gguf"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--model", str(stock), "--out", str(out), "--llama_cpp", str(fake_llama_cpp)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err and "Errno 28" not in err, err
+    assert f"error: The disk holding {tmp_path} is full" in err and "nothing was written" in err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".full")]
