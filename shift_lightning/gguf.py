@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, ShiftError
 from .gguf_converter import (CONVERTER, LLAMA_CPP_PYTHON, SDIST, GGUFError, check_converter_deps,  # noqa: F401
                              find_converter, llama_cpp_cache, run_converter)
 
@@ -340,7 +340,7 @@ def export_gguf(folder: str | Path, outfile: str | Path, outtype: str = "f16", l
             raise GGUFError(str(e).replace(str(tmp), str(outfile)) + " (nothing was written)") from None
         raise
     except OSError as e:  # our own writes (the attention pattern, the publish): a full disk is named as such
-        if is_write_failure(e):
+        if is_write_failure(e) and not isinstance(e, ShiftError):
             raise GGUFError(f"Could not write {outfile}: {write_failure_reason(e)} (nothing was written); free some "
                             "space, or write --out to another disk") from None
         raise
