@@ -354,3 +354,42 @@ def test_license_is_inherited_from_the_base_model(tmp_path):
     unknown = base_model_info("someone/some-model")
     assert unknown.license == "other" and "could not be determined" in unknown.note
     assert base_model_info({"tiny": {"family": "qwen2"}}).license == "other"
+
+
+@pytest.fixture(scope="module")
+def folder_with_maps(tmp_path_factory):
+    from shift_lightning.calibration import CalibrationConfig
+    from shift_lightning.criteria import PruneConfig
+    from shift_lightning.data import TextDataConfig
+    from shift_lightning.models import ModelConfig
+    from shift_lightning.recipes.calibrate import run_calibration
+
+    out = tmp_path_factory.mktemp("lmeval") / "maps"
+    corpus = str(ROOT / "tests" / "data" / "tiny_corpus.txt")
+    run_calibration(model=ModelConfig(tiny={"family": "llama", "num_hidden_layers": 4}), prune=PruneConfig(layers=[2]),
+                    data=TextDataConfig(source=corpus, num_samples=4, seq_len=32), calibration=CalibrationConfig(),
+                    heldout=TextDataConfig(source=corpus, num_samples=0),
+                    trainer=dict(accelerator="cpu", enable_progress_bar=False), output_dir=str(out))
+    return out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--model", "shift"], "--model shift needs --model_args pretrained="),
+    (["--model", "shift", "--model_args", "pretrained={maps},dtype=float13"], "dtype=float13: not a dtype here"),
+    (["--model", "shift", "--model_args", "pretrained={maps},peft={pickled}"], "(only adapter_model.bin: a pickle"),
+    (["--model", "hf", "--model_args", "pretrained={maps}"], "which --model hf cannot run"),
+])
+def test_the_lm_eval_entry_point_gives_one_line_for_ours(argv, match, folder_with_maps, tmp_path, capsys):
+    """Mistakes about our models through ``python -m shift_lightning.lmeval`` (no model arguments, an unknown
+    dtype, a PEFT adapter saved as a pickle, ``--model hf`` on a folder with maps): one ``error:`` line, exit 2;
+    the harness's own errors keep its conventions."""
+    pytest.importorskip("lm_eval")
+    from shift_lightning import lmeval
+
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter_model.bin").write_bytes(b"\\x80\\x04N.")  # a pickle: never unpickled
+    args = [a.format(maps=folder_with_maps, pickled=tmp_path / "lora") for a in argv]
+    with pytest.raises(SystemExit) as e:
+        lmeval.main([*args, "--tasks", "arc_easy", "--device", "cpu", "--limit", "1"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # (lm-eval's log handlers may hold a closed stream)
+    assert e.value.code == 2 and last.startswith("error: ") and match in last, last

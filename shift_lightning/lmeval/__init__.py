@@ -24,6 +24,7 @@ lm-eval is an optional extra: nothing else in the package imports this module
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -34,6 +35,9 @@ try:
 except ImportError as e:  # an optional extra
     raise ImportError("shift_lightning.lmeval needs lm-evaluation-harness: pip install 'lm-eval==0.4.13' "
                       "(or the project's [lmeval] extra)") from e
+
+#: ``--model_args dtype=`` values (``auto``: as saved).
+_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
 #: HFLM loading options that make no sense for a model loaded by ``load_pretrained``.
 _UNSUPPORTED = ("delta", "autogptq", "gptqmodel", "gguf_file", "parallelize", "tp_plan", "revision", "subfolder")
@@ -47,18 +51,28 @@ class ShiftLM(HFLM):
     ``peft``: a PEFT adapter folder applied on top. Every other HFLM option (``batch_size``,
     ``max_length``, ``add_bos_token``, …) works as for ``--model hf``."""
 
-    def __init__(self, pretrained, dtype: str | torch.dtype | None = "auto", device: str | None = None,
+    def __init__(self, pretrained=None, dtype: str | torch.dtype | None = "auto", device: str | None = None,
                  peft: str | None = None, **kwargs):
         from ..checkpoint import load_pretrained
 
         from ..errors import ConfigError
 
+        if not pretrained:
+            raise ConfigError("--model shift needs --model_args pretrained=<a saved folder, an HF id or folder, a .gguf "
+                              "or an embedded name such as smollm2-135m>")
+        if isinstance(dtype, str) and dtype not in _DTYPES:
+            raise ConfigError(f"--model_args dtype={dtype}: not a dtype here; choose one of {', '.join(_DTYPES)}")
         given = sorted(k for k in _UNSUPPORTED if kwargs.get(k) not in (None, False, "", "main"))
         if given:
             raise ConfigError(f"--model shift does not support {given}: the folder is loaded by "
                               "shift_lightning.load_pretrained")
         if peft and not os.path.isdir(os.path.expanduser(str(peft))):
             raise ConfigError(f"--model_args peft={peft}: no such adapter folder (a LoRA recovery's lora/)")
+        if peft and not os.path.exists(os.path.join(os.path.expanduser(str(peft)), "adapter_model.safetensors")):
+            found = sorted(f for f in os.listdir(os.path.expanduser(str(peft))) if f.endswith((".bin", ".pt", ".pth")))
+            raise ConfigError(f"--model_args peft={peft}: no adapter_model.safetensors"
+                              + (f" (only {', '.join(found)}: a pickle, which is never unpickled)" if found else "")
+                              + "; save the adapter with safe_serialization (PEFT's default)")
         for k in (*_UNSUPPORTED, "trust_remote_code"):  # load_pretrained never runs a folder's code
             kwargs.pop(k, None)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -101,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     try:
+        _check_hf_on_our_folder(sys.argv[1:])
         cli_evaluate()
     except ShiftError as e:  # a mistake in the arguments or the model: one line, exit 2 (as our entry points)
         if "--debug" in sys.argv:
@@ -108,3 +123,28 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
         raise SystemExit(2) from None
 
+
+def _check_hf_on_our_folder(argv: list[str]) -> None:
+    """``--model hf`` on a folder with maps would reach transformers' remote-code refusal (a traceback): ours to say."""
+    from ..checkpoint import is_shift_folder
+    from ..errors import ConfigError
+
+    def value(flag: str) -> str | None:
+        for i, a in enumerate(argv):
+            if a == flag and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+        return None
+
+    if value("--model") not in ("hf", "hf-auto", "huggingface"):
+        return
+    args = dict(kv.split("=", 1) for kv in (value("--model_args") or "").split(",") if "=" in kv)
+    path = args.get("pretrained")
+    if path and os.path.isdir(os.path.expanduser(path)) and is_shift_folder(os.path.expanduser(path)) \
+            and os.path.exists(os.path.join(os.path.expanduser(path), "lra.safetensors")):
+        spec = json.loads(open(os.path.join(os.path.expanduser(path), "shift_config.json")).read())
+        if spec.get("adapters") or spec.get("branch_maps") or spec.get("weights") == "adapters":
+            raise ConfigError(f"{path} is a shift-lightning folder with maps, which --model hf cannot run (they need "
+                              "this package's loader, not remote code): use --model shift --model_args "
+                              f"pretrained={path}")
