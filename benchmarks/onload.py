@@ -396,6 +396,8 @@ def run_job(a, model_dir: Path, solver: str, run_dir: Path, model_size: int) -> 
     tail = log.read_text()[-3000:]
     report = out_dir / "calibration_report.json"
     rep = json.loads(report.read_text()) if rc == 0 and report.exists() else None
+    if not a.keep_model:  # the written model (tens of GB at fp32) is not kept between jobs
+        shutil.rmtree(out_dir, ignore_errors=True)
     read = usage.ru_inblock * 512  # ru_inblock: read_bytes / 512 of the job tree
     res = {"solver": solver, "placement": a.placement if not a.no_placement_flag else "(flag omitted)",
            "command": " ".join(cmd), "returncode": rc,
