@@ -51,7 +51,8 @@ from ..checkpoint import ShiftSpec, is_shift_folder, load_pretrained, read_shift
 from ..resume import (AtomicCheckpointIO, check_checkpoint_dir, check_run, clear_checkpoints, read_checkpoint,
                       resolve_resume, run_key, run_settings)
 from .calibrate import check_early, local_inputs
-from .trainer import build_trainer, RecoveryTrainerConfig
+from .trainer import RecoveryTrainerConfig
+from .trainer import build_trainer as lightning_trainer
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def build_trainer(cfg: RecoveryTrainerConfig, output_dir: str | None, zeroshot: 
     if kw["strategy"] == "fsdp":
         kw["strategy"] = DecoderFSDPStrategy()
     kw["callbacks"] = training_callbacks(output_dir, zeroshot, cfg.val_check_interval)
-    return build_trainer(**with_signal_guard(with_stage_progress(kw)))
+    return lightning_trainer(**with_signal_guard(with_stage_progress(kw)))
 
 
 @dataclass
