@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import sys
@@ -63,6 +64,7 @@ class _State:
         self.handled: int | None = None  # the signal the main thread took first
         self.timer: threading.Timer | None = None
         self.sigint_ignored = False  # the caller ignores SIGINT: leave it so
+        self.launcher = None  # the DDP launcher of a running Trainer (rank 0: its children are the other ranks)
 
 
 _state = _State()
@@ -78,6 +80,32 @@ def stop_signal() -> int | None:
     if _state.signals:
         return _state.signals[0]
     return _state.handled if _state.handled is not None else (signal.SIGINT if _state.pending else None)
+
+
+#: How gloo and NCCL say that a peer process is gone (a collective or a rendezvous with a dead rank).
+_PEER_GONE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|NCCL communicator was aborted|"
+                        r"ProcessGroupNCCL.*(watchdog|abort)|Socket Timeout|connectFullMesh failed")
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """When ``e`` is a collective failing because another process of the run is gone: one line saying which rank
+    ended and how (rank 0 knows its children, the other ranks: the launcher's); None for any other error."""
+    if not isinstance(e, RuntimeError) or not _PEER_GONE.search(str(e)):
+        return None
+    dead = []
+    for i, proc in enumerate(getattr(_state.launcher, "procs", None) or []):
+        rc = proc.poll()
+        if rc is not None and rc != 0:
+            how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
+            dead.append(f"rank {i + 1} ({how})")
+    if not dead and _child_rank() > 0 and os.environ.get(RANK0_ENV, "").isdigit():
+        try:
+            os.kill(int(os.environ[RANK0_ENV]), 0)
+        except ProcessLookupError:
+            dead.append("rank 0")
+    who = " and ".join(dead) if dead else "another process of the run"
+    return (f"{who} ended while rank {_child_rank()} waited for it in a collective: the run stopped "
+            "(resume a training run with --ckpt_path last)")
 
 
 def _child_rank() -> int:
@@ -276,6 +304,9 @@ class SigtermAsInterrupt(L.Callback):
     loop never looks at it), so a one-process calibration, selection or evaluation ran on to the end of
     its pass and the work after it, until the grace timer ended it by force. Lightning restores the
     handler it replaced when the Trainer call ends."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        _state.launcher = getattr(trainer.strategy, "launcher", None)  # which ranks it started (lost_peer)
 
     def _take(self, trainer, always: bool = False) -> None:
         if _state.active and (always or trainer.world_size > 1) and threading.current_thread() is threading.main_thread():

@@ -898,3 +898,33 @@ def test_a_save_to_disk_folder_with_the_wrong_layout_is_one_line(tmp_path):
     with pytest.raises(DataError, match=r"has no column 'text' \(its columns: body\); set --data.text_field"):
         load_texts(str(tmp_path / "ok"))
     assert load_texts(str(tmp_path / "ok"), text_field="body") == ["some text"]
+
+
+def test_a_rank_killed_under_ddp_is_one_line_naming_it(tmp_path):
+    """2-process DDP training, rank 1 killed (SIGKILL, as the OOM killer does): rank 0's collective fails; it says
+    which rank ended and how in one line (exit 1), not gloo's traceback, and every process is gone within seconds."""
+    err_path = tmp_path / "err.txt"
+    cmd = [sys.executable, "train.py", "--config", "configs/tiny_lora.yaml", "--output_dir", str(tmp_path / "o"),
+           "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu",
+           "--trainer.max_steps", "400", "--trainer.enable_progress_bar", "false"]
+    with open(err_path, "w") as err:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        child, t0 = None, time.time()
+        while child is None and time.time() - t0 < 180 and p.poll() is None:
+            kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+            child = next((int(k) for k in kids if "train.py" in Path(f"/proc/{k}/cmdline").read_text()), None)
+            time.sleep(0.5)
+        assert child is not None, err_path.read_text()[-2000:]
+        while not (tmp_path / "o.calibration").exists() and p.poll() is None and time.time() - t0 < 180:
+            time.sleep(0.5)  # calibrated: training starts
+        time.sleep(3)
+        os.kill(child, signal.SIGKILL)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = err_path.read_text()
+    assert p.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("error: rank 1 (killed by SIGKILL) ended while rank 0 waited"), err

@@ -272,6 +272,10 @@ def _entry(run: Callable, argv: list[str] | None, parse: Callable | None):
             import signal
 
             sig = signal.SIGTERM if type(e).__name__ == "SIGTERMException" else stopping.stop_signal()
+            lost = None if debug or sig is not None else stopping.lost_peer(e)
+            if lost:  # a rank died (killed, out of memory): one line naming it, not gloo's or NCCL's traceback
+                sys.stderr.write(f"error: {lost}\n")
+                raise SystemExit(1) from None
             if isinstance(e, KeyboardInterrupt):
                 sig = sig or signal.SIGINT
             elif sig is None or (isinstance(e, SystemExit) and type(e).__name__ != "SIGTERMException"
