@@ -308,7 +308,7 @@ def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = Non
         Sxy, my = Sxy + Sxx, my + mx
     elif kind != "residual":
         raise ValueError(f"kind must be 'residual' or 'affine', got {kind!r}")
-    Sxx = 0.5 * (Sxx + Sxx.T)
+    Sxx = Sxx.add_(Sxx.T.contiguous()).mul_(0.5)     # symmetric (in place: one d² temporary, not two)
     if not (math.isfinite(damping) and damping > 0):  # the configs refuse it first; a direct call too
         raise SolveError(f"{stats.name}: the relative damping must be a finite number > 0, got {damping}")
     diag = Sxx.diagonal()
@@ -318,7 +318,8 @@ def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = Non
         raise ValueError(f"{stats.name}: feature groups {groups} do not partition {d} inputs")
     lams = [damping * part.mean().clamp_min(1e-12) for part in diag.split(list(groups))]
     lam = lams[0]
-    H = Sxx + torch.diag(torch.cat([lv.expand(n_) for lv, n_ in zip(lams, groups)]))
+    H = Sxx                                            # XcᵀXc + λI, in place (Sxx is not needed after)
+    H.diagonal().add_(torch.cat([lv.expand(n_) for lv, n_ in zip(lams, groups)]))
     L, info = torch.linalg.cholesky_ex(H)
     if info.item() != 0:
         raise SolveError(
