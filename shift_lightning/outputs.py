@@ -19,7 +19,8 @@ Used by every writer (calibration, evaluation, training, benchmarks, the paper g
 
 Single result files (benchmarks, the paper grid's runs and tables) are checked with
 :func:`prepare_file` before the compute and written with :func:`write_text_atomic` /
-:func:`write_json_atomic` (temporary sibling + atomic rename).
+:func:`write_json_atomic` (temporary sibling + atomic rename); a file that must never replace another
+run's (the GGUF export) is published with :func:`publish_file` (the check made at the rename).
 
 Folders and files follow the process umask (``tempfile.mkdtemp`` alone would make them 0700).
 """
@@ -275,12 +276,8 @@ def _swap_in(tmp: Path, out: Path, expected=...) -> None:
 
 
 def publish_file(tmp: Path, path: Path, overwrite: bool = False) -> Path:
-    """Move the finished ``tmp`` to ``path``. With ``overwrite`` it replaces what is there; otherwise only if ``path``
-    still does not exist at that moment (renameat2's RENAME_NOREPLACE, or a hard link where that is missing), so a
-    file another run published meanwhile is never replaced: ours is kept beside it and :class:`PublishConflict`
-    says where. The existence check before the work only fails early; this one decides."""
-    import errno
-
+    """Move the finished ``tmp`` to ``path``: with ``overwrite`` over what is there; else only if ``path`` still does not
+    exist (renameat2 NOREPLACE, else a hard link): a file another run published meanwhile is never replaced."""
     if overwrite:
         os.replace(tmp, path)
         return path
@@ -292,19 +289,11 @@ def publish_file(tmp: Path, path: Path, overwrite: bool = False) -> Path:
             done = True
         except FileExistsError:
             done = False
-        except OSError as e:
-            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV):
-                raise
-            if path.exists():  # no links either (FAT): the check as close to the rename as it gets
-                done = False
-            else:
-                os.rename(tmp, path)
-                done = True
     if not done:
         keep = path.with_name(f"{path.name}.run-{os.getpid()}")
         os.rename(tmp, keep)
-        raise PublishConflict(f"Another run wrote {path} while this one was running; this run's file was kept as "
-                              f"{keep} (nothing was replaced): compare the two, then rename the one you keep")
+        raise PublishConflict(f"Another run wrote {path} while this one was running; this run's file was kept as {keep} "
+                              "(nothing was replaced): compare the two, then rename the one you keep")
     return path
 
 

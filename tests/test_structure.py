@@ -287,6 +287,8 @@ def test_recipes_never_import_each_others_private_names(tmp_path, monkeypatch):
 LONG_MODULES = {
     "shift_lightning/evaluation/tasks.py": "the nine lm-evaluation-harness task definitions (prompts, choices, "
                                            "splits) and where their offline data comes from: one table of tasks",
+    "shift_lightning/outputs.py": "every way a result reaches the disk (checked folders, atomic swaps, files published "
+                                  "without replacing another run's) under one set of never-clobber rules",
 }
 MAX_LINES = 400
 
