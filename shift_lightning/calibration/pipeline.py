@@ -1,4 +1,4 @@
-"""Block-major calibration: every walk is a pipeline over cached windows, one registry (:data:`WALKS`).
+"""Block-major calibration: every walk is a pipeline over cached windows, one registry (:data:`~.walks.WALKS`).
 
 All walks run in one order (llm-compressor's sequential pipeline, GPTQ's ``llama_sequential``):
 
@@ -11,7 +11,7 @@ All walks run in one order (llm-compressor's sequential pipeline, GPTQ's ``llama
    once by the model's placement (:mod:`shift_lightning.placement`: a no-op in memory, read from the
    safetensors files when onloaded), run on all of this rank's windows, released.
 
-What a walk does at a block is its own (:data:`WALKS`, chosen by ``--calibration.mode``):
+What a walk does at a block is its own (:data:`~.walks.WALKS`, chosen by ``--calibration.mode``):
 
 ``independent``  forward hooks (:class:`~.collect.Collector`) fill every site's statistics from the original
                  model's states; ONE all-reduce after the walk; the solves (:meth:`CalibrationModule.solve`).
