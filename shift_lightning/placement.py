@@ -301,15 +301,19 @@ def write_safetensors(path: Path, layout: list[tuple[str, tuple, torch.dtype]], 
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    values = iter(values)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for (name, shape, dtype), (got, t) in zip(layout, values, strict=True):
+        for name, shape, dtype in layout:
+            got, t = next(values)  # (not zip: it keeps the last pair, so two tensors would be alive at once)
             if got != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                 raise RuntimeError(f"streamed tensor {got} {tuple(t.shape)} {t.dtype} where the header has {name} "
                                    f"{tuple(shape)} {dtype}")
             f.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
             del t  # before the next tensor is read: one at a time
+        if next(values, None) is not None:
+            raise RuntimeError(f"more streamed tensors than the header of {path} lists")
 
 
 def save_streamed(model: nn.Module, state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int = 5 << 30) -> None:
