@@ -152,6 +152,33 @@ def gram_products(R: torch.Tensor, p: int, scheme: str, block: int = GRAM_BLOCK)
     return P
 
 
+def add_gram_products(R: torch.Tensor, p: int, scheme: str, G: torch.Tensor, C: torch.Tensor,
+                      block: int = GRAM_BLOCK) -> bool:
+    """``G += R[:, :p]ᵀ R[:, :p]`` and ``C += R[:, :p]ᵀ R[:, p:]``: the sums :func:`gram_products` gives, added as each
+    row block is computed, so its ``(p, q)`` float64 temporary never exists (1 GB a batch at d = 8192; one
+    ``(block, q)`` block instead). Each element gets the same one addition: bit for bit ``G += P[:, :p]``.
+    Row ``p − 1`` of the products (column ``p − 1`` of ``R`` is the ones column: ``[Σx, N, ΣΔ]``) tells whether an
+    input is not finite: then nothing is added and False returned (on CPU from ``R``'s column sums, before any
+    block)."""
+    k = max(1, round(p / block))
+    if k == 1 or R.device.type != "cpu":
+        P = chunk_products(R[:, :p], R, scheme)
+        if not torch.isfinite(P[p - 1]).all():
+            return False
+        G += P[:, :p]
+        C += P[:, p:]
+        return True
+    if not torch.isfinite(R.sum(0)).all():
+        return False
+    edges = [round(i * p / k) for i in range(k + 1)]
+    for s, e in zip(edges[:-1], edges[1:]):
+        B = chunk_products(R[:, s:e], R[:, s:], scheme)   # rows [s, e) of the products, columns [s, q)
+        G[s:e, s:] += B[:, :p - s]
+        G[e:p, s:e] += B[:, e - s:p - s].T                 # the blocks below the diagonal: transposes
+        C[s:e] += B[:, p - s:]
+    return True
+
+
 class RidgeStats:
     """Streaming ``G = [X,1]ᵀ[X,1]``, ``C = [X,1]ᵀΔ`` and ``Σ‖Δ‖²`` for one site (see module doc).
 
@@ -210,14 +237,11 @@ class RidgeStats:
         for s in range(0, x.shape[0], step):
             xa = x[s: s + step]
             R = torch.cat([xa, xa.new_ones(xa.shape[0], 1), delta[s: s + step]], dim=1).to(work)  # [X, 1, Δ]
-            P = gram_products(R, d1, scheme)                        # [X, 1]ᵀ [X, 1, Δ]   (d+1, 2d+1)
-            if not torch.isfinite(P[d]).all():
+            if not add_gram_products(R, d1, scheme, self.G, self.C):  # [X, 1]ᵀ [X, 1, Δ]   (d+1, 2d+1)
                 raise SolveError(
                     f"{self.name}: non-finite activations (inf/NaN) in the calibration pass. The model overflows "
                     "in its current dtype: load it in float32 (--model.dtype float32) or check the input data."
                 )
-            self.G += P[:, :d1]
-            self.C += P[:, d1:]
         self.yy += torch.linalg.vector_norm(delta, dtype=torch.float64).square()
 
     def relative_error(self, W: torch.Tensor, b: torch.Tensor) -> float:

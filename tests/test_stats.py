@@ -293,3 +293,23 @@ def test_statistics_wider_than_a_row_block_equal_direct_products():
     bad[1, 0] = float("inf")
     with pytest.raises(SolveError, match="non-finite"):
         s.add_batch(bad, delta[:4])
+
+
+@pytest.mark.parametrize("p,q,scheme", [(401, 802, "float64"), (641, 1282, "float32"), (33, 66, "float64")])
+def test_gram_products_added_block_by_block_are_the_same_sums_bit_for_bit(p, q, scheme):
+    """``add_gram_products`` adds each row block into ``G``/``C`` as it is computed (no ``(p, q)`` temporary): the
+    same sums as ``G += P`` with ``P = gram_products(...)``, to the bit; a non-finite input adds nothing."""
+    from shift_lightning.stats import add_gram_products, gram_products
+
+    g = torch.Generator().manual_seed(p)
+    R = torch.randn(300, q, generator=g, dtype=torch.float64 if scheme == "float64" else torch.float32)
+    R[:, p - 1] = 1
+    G0, C0 = torch.randn(p, p, dtype=torch.float64, generator=g), torch.randn(p, q - p, dtype=torch.float64, generator=g)
+    G1, C1 = G0.clone(), C0.clone()
+    P = gram_products(R, p, scheme)
+    G0 += P[:, :p]
+    C0 += P[:, p:]
+    assert add_gram_products(R, p, scheme, G1, C1)
+    assert torch.equal(G0, G1) and torch.equal(C0, C1)
+    R[3, 0] = float("nan")
+    assert not add_gram_products(R, p, scheme, G1, C1) and torch.equal(G0, G1) and torch.equal(C0, C1)

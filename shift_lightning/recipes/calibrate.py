@@ -218,11 +218,12 @@ def run_calibration(
     correction = module.correction() if selection.layers else Correction(calibration.solver)
     site_reports, span_reports = module.site_reports(), module.span_reports()
     del module  # the solutions and per-site adapters (d² floats each): the correction holds the maps, the report the rest
-    closeness = None
+    closeness, t_close = None, time.time()
     if placement_of(lm).onloaded and heldout_windows is not None and selection.layers:  # --evaluate's stand-in
         closeness = HeldoutCloseness(lm, selection.layers, correction)
         closeness.run(make_trainer(), heldout_windows, heldout.batch_size)
         closeness = closeness.results
+    t_close = time.time() - t_close
     adapters = correction.adapters
     for note in correction.notes:
         log.warning(note)
@@ -256,7 +257,8 @@ def run_calibration(
         world_size=dist.world_size(), sites=site_reports, spans=span_reports,
         adapters=_adapter_table(n_layers, selection.layers, adapters), branch_maps=sorted(correction.branch_maps),
         notes=correction.notes, params_before=params_before, params_after=num_params(lm),
-        seconds={"selection": t_sel - t0, "calibration": t_cal - t_sel,
+        seconds={"selection": t_sel - t0, "calibration": t_cal - t_sel - t_close,
+                 **({"heldout_closeness": t_close} if closeness else {}),
                  **({"refit": t_fit - t_cal} if refit else {}), "total": time.time() - t0},
         evaluation=evals or None, refit=refit, heldout_closeness=closeness)
     if output_dir is not None and dist.rank() == 0:
