@@ -808,7 +808,8 @@ def test_ctrl_c_while_an_entry_point_starts_is_one_line_and_130(tmp_path, cmd, d
     for d in delays:
         args = [sys.executable, *cmd] + (["--output_dir", str(tmp_path / f"o{d}")] if "calibrate.py" in cmd else [])
         p = subprocess.Popen(args, cwd=tmp_path if "-m" in cmd else ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a shell may ignore it
         time.sleep(d)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
