@@ -800,7 +800,7 @@ def test_an_adapter_only_folder_refuses_a_base_whose_weights_changed(tmp_path):
 
 @pytest.mark.parametrize("cmd,delays", [
     (["calibrate.py", "--config", "configs/tiny.yaml", "--trainer.enable_progress_bar", "false"], (0.5, 1.0, 1.5)),
-    (["-m", "shift_lightning.recipes.gguf", "--model", "/nonexistent", "--out", "x.gguf"], (0.05, 0.1)),
+    (["-m", "shift_lightning.recipes.gguf", "--model", "/nonexistent", "--out", "x.gguf"], (0.1, 0.2, 0.3)),
 ])
 def test_ctrl_c_while_an_entry_point_starts_is_one_line_and_130(tmp_path, cmd, delays):
     """Ctrl-C during the imports of torch and Lightning (or of the GGUF export's command line): one line, status
@@ -815,6 +815,8 @@ def test_ctrl_c_while_an_entry_point_starts_is_one_line_and_130(tmp_path, cmd, d
         _, err = p.communicate(timeout=120)
         if p.returncode == 2 and "error:" in err:  # it was already past start-up and refused the input: fine
             continue
+        if p.returncode == -signal.SIGINT and "shift_lightning" not in err:  # still in the interpreter's own start-up
+            continue  # (before any line of the program: no program can answer there)
         assert p.returncode == 130 and "Traceback" not in err, (d, p.returncode, err[-1500:])
         assert err.strip().splitlines()[-1].startswith("interrupted:"), err[-500:]
 
