@@ -33,8 +33,10 @@ def test_every_variant_is_a_registered_solver_with_a_label():
 @pytest.mark.parametrize("setting, mode, names", R.SETTINGS, ids=[s[0] for s in R.SETTINGS])
 def test_a_retired_name_spelt_as_knobs_fits_the_maps_it_fitted(setting, mode, names):
     """The maps stored when ``lra_span`` … ``guarded_joint`` were solvers of their own (on a tiny float64 Llama, two
-    spans) are fitted again, bit for bit, from the variants' spelling: one module per name, and the grid's way, six
-    variants from one pass. Each span keeps the map of the same source (the guard's candidate, the auto fit)."""
+    spans) are fitted again from the variants' spelling: one module per name, and the grid's way, six variants from
+    one pass. Each span keeps the map of the same source (the guard's candidate, the auto fit). The same maps up to
+    float64 rounding: on a CPU whose BLAS kernels differ from the machine that stored them, 3e-12 at most (the joint
+    map's T); on that machine, bit for bit."""
     from safetensors import safe_open
 
     model, windows = R.model_and_windows()
@@ -46,8 +48,8 @@ def test_a_retired_name_spelt_as_knobs_fits_the_maps_it_fitted(setting, mode, na
             tensors, got_sources = R.maps_of(mod, name)
             stored = {k.split("/", 2)[2]: f.get_tensor(k) for k in f.keys() if k.startswith(f"{setting}/{name}/")}
             assert set(tensors) == set(stored) and stored, name
-            for k in stored:
-                assert torch.equal(tensors[k], stored[k]), (name, k, (tensors[k] - stored[k]).abs().max().item())
+            for k in stored:  # stored on another machine: float64 GEMM kernels differ across CPUs by ~1e-15
+                assert_close(tensors[k], stored[k], rtol=1e-9, atol=1e-10, msg=lambda m, name=name, k=k: f"{name} {k}: {m}")
             assert got_sources == sources[f"{setting}/{name}"], name
 
 
