@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import weakref
 from pathlib import Path
 from typing import Iterator
 
@@ -81,6 +82,7 @@ class Onloaded:
         self._loaded: dict[int, set[str]] = {}
         self.folds: dict[str, list] = {}
         self.bytes_read = 0
+        self.model = None  # a weak reference to the skeleton (its tied head is tied again after a release)
 
     def _handle(self, file: str):
         from safetensors import safe_open
@@ -151,11 +153,14 @@ class Onloaded:
         self.folds.setdefault(prefix, []).append(fold)
 
     def release(self, module: nn.Module) -> None:
-        """Free what :meth:`load` read into ``module`` (back on the meta device)."""
+        """Free what :meth:`load` read into ``module`` (back on the meta device); a tied head is tied again."""
         from accelerate.utils import set_module_tensor_to_device
 
         for name in self._loaded.pop(id(module), ()):
             set_module_tensor_to_device(module, name, "meta")
+        model = self.model() if self.model is not None else None
+        if model is not None and _ties(model):
+            model.tie_weights()
         return_freed_memory()
 
     @contextlib.contextmanager
@@ -275,9 +280,17 @@ def build_onloaded(folder: Path, dtype: torch.dtype, trust_remote_code: bool = F
     config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    model.tie_weights()  # a tied head is the embedding's Parameter, as from_pretrained makes it
     model.eval()
     model.shift_placement = Onloaded(folder, dtype, len(decoder_layers(model)))
+    model.shift_placement.model = weakref.ref(model)
     return model
+
+
+def _ties(model: nn.Module) -> bool:
+    """Whether the model's config ties the LM head to the input embedding."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return bool(getattr(cfg, "tie_word_embeddings", False))
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,6 +335,9 @@ def save_streamed(model: nn.Module, state: dict[str, torch.Tensor], out: Path, m
     applied, written and released; one ``model.safetensors``, or shards of at most ``max_shard_bytes`` (a block
     is never split) with ``model.safetensors.index.json``. Peak memory: one block (or one top-level tensor)."""
     pl: Onloaded = placement_of(model)
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and head.weight is emb.weight:  # tied: the head is the embedding, saved once (save_pretrained)
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     pieces: list[tuple[int | None, list[str]]] = []  # (block or None, names), in the state's order
     for k in state:
         blk = int(k.split(".")[2]) if k.startswith("model.layers.") else None

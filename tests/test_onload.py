@@ -37,8 +37,9 @@ def folders(tmp_path_factory):
     """Tiny Llama and Gemma3 models saved as HF folders (sharded for Llama: the index is read too)."""
     root = tmp_path_factory.mktemp("models")
     out = {}
-    for fam in ("llama", "gemma3"):
-        model, tok = build_tiny_model(fam, num_hidden_layers=6, max_position_embeddings=512)
+    for fam in ("llama", "gemma3", "llama_tied"):
+        model, tok = build_tiny_model(fam.split("_")[0], num_hidden_layers=6, max_position_embeddings=512,
+                                      **({"tie_word_embeddings": True} if fam == "llama_tied" else {}))
         model.save_pretrained(root / fam, max_shard_size="40KB" if fam == "llama" else "5GB")
         tok.save_pretrained(root / fam)
         out[fam] = root / fam
@@ -138,7 +139,7 @@ def _assert_same_folder(a: Path, b: Path) -> None:
 
 
 @pytest.mark.parametrize("family,solver", [("llama", "lra_replaceme"), ("llama", "stock"), ("gemma3", "lra_replaceme"),
-                                           ("llama", "lra")])
+                                           ("llama", "lra"), ("llama_tied", "lra_replaceme")])
 def test_onloaded_run_saves_the_same_folder(folders, tmp_path, family, solver):
     """The whole calibrate job onloaded: the pruned model is written by streaming the kept blocks from the source
     files (ReplaceMe's map and the stock repair folded as each block is read): the folder equals the in-memory run's
