@@ -26,6 +26,10 @@ from .errors import ShiftError
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
+class StopForward(Exception):
+    """Raised to end a forward early, once a pass has what it needs from it (a hook, a stand-in block)."""
+
+
 class ModelLoadError(ShiftError, ValueError):
     """A model could not be located, loaded or is of an unsupported architecture."""
 

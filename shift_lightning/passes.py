@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from torch import nn
 
-from .arch import block_output, swapped_blocks
+from .arch import StopForward, block_output, swapped_blocks
 from .data import RankShard
 from .errors import ShiftError
 from .placement import placement_of
@@ -179,10 +179,6 @@ def _count(batch) -> int:
 # --------------------------------------------------------------------------------------------
 # The block-major order (calibration's walks, the hidden-state criteria)
 # --------------------------------------------------------------------------------------------
-class StopForward(Exception):
-    """Raised to end a forward early, once a pass has what it needs from it."""
-
-
 class _Recorder(nn.Module):
     """Stands in for block ``j`` during the caching pass: records the call (the first one also the state)."""
 

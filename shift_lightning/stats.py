@@ -233,7 +233,7 @@ class RidgeStats:
         self.scheme = scheme = resolve_accum(self.accum_dtype, x.device, x.dtype)
         work = {"float64": torch.float64, "bfloat16": torch.bfloat16}.get(scheme, torch.float32)
         step = x.shape[0] if scheme == "float64" else self.chunk_tokens
-        d, d1 = self.dim, self.dim + 1
+        d1 = self.dim + 1
         for s in range(0, x.shape[0], step):
             xa = x[s: s + step]
             R = torch.cat([xa, xa.new_ones(xa.shape[0], 1), delta[s: s + step]], dim=1).to(work)  # [X, 1, Δ]

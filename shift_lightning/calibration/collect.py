@@ -36,8 +36,7 @@ import torch
 from torch import nn
 
 from .. import dist
-from ..passes import StopForward  # noqa: F401  (a hook raises it once every site of the pass has its data)
-from ..arch import block_input, block_output, decoder_layers, mlp_branch
+from ..arch import StopForward, block_input, block_output, decoder_layers, mlp_branch
 from ..peers import ChannelScaleStats
 from ..stats import RidgeStats
 from .sites import Site
@@ -235,6 +234,27 @@ class Collector:
         block is kept per batch)."""
         self._mask, self._windows, self._entry = mask, windows, entry
 
+    def _add(self, st: SiteStatistics, x, y, b, u, m, held) -> None:
+        """One batch into site ``st``: ``x`` the state entering it, ``y`` the state after it, ``b`` the MLP branch of
+        the block before it, ``u`` that block's down_proj input (None where nobody asked); ``m`` / ``held``: the real
+        tokens / those of held-out windows."""
+        delta = y - x
+        take = {"io": lambda k: x[k], "branch": lambda k: b[k], "joint": lambda k: torch.cat([x[k], b[k]], dim=1),
+                "down": lambda k: u[k]}
+        for name in ("io", "branch", "joint", "down"):
+            stats, held_stats = getattr(st, name), getattr(st, "held_" + name)
+            if stats is None or (name == "io" and st.joint is not None):  # with joint, io is a block of it (derive())
+                continue
+            stats.add_batch(take[name](m), delta[m])
+            if held_stats is not None:
+                held_stats.add_batch(take[name](held), delta[held])
+        if st.scale is not None:
+            st.scale.add_batch(x, y, m)
+        if st.rows is not None:
+            st.rows.add(self._windows, b, b + delta, m)
+        for inp, meter in st.meters:
+            meter.add_batch(take[inp](m), delta[m])
+
     def install(self, model: nn.Module) -> list:
         """Forward hooks that fill the statistics while blocks run; remove them after. What a hook keeps for a
         later block (a site's input, block ``start − 1``'s branch) is keyed by the batch (:meth:`batch`) and
@@ -279,40 +299,8 @@ class Collector:
                     k = self.heldout_every
                     held_mask = m & ((self._windows % k) == k - 1).to(m.device)[:, None]
                 for st in group:
-                    x = inputs[e, st.site.start]
-                    delta = y - x
-                    if st.io is not None and st.joint is None:  # with joint: a block of it (derive())
-                        st.io.add_batch(x[m], delta[m])
-                        if st.held_io is not None:
-                            st.held_io.add_batch(x[held_mask], delta[held_mask])
-                    if st.branch is not None:
-                        b = branch[e, st.site.start - 1]
-                        st.branch.add_batch(b[m], delta[m])
-                        if st.held_branch is not None:
-                            st.held_branch.add_batch(b[held_mask], delta[held_mask])
-                    if st.joint is not None:
-                        b = branch[e, st.site.start - 1]
-                        st.joint.add_batch(torch.cat([x[m], b[m]], dim=1), delta[m])
-                        if st.held_joint is not None:
-                            st.held_joint.add_batch(torch.cat([x[held_mask], b[held_mask]], dim=1), delta[held_mask])
-                    if st.down is not None:
-                        u = down_in[e, st.site.start - 1]
-                        st.down.add_batch(u[m], delta[m])
-                        if st.held_down is not None:
-                            st.held_down.add_batch(u[held_mask], delta[held_mask])
-                    if st.scale is not None:
-                        st.scale.add_batch(x, y, m)
-                    if st.rows is not None:
-                        b = branch[e, st.site.start - 1]
-                        st.rows.add(self._windows, b, b + delta, m)
-                    for inp, meter in st.meters:
-                        if inp == "io":
-                            meter.add_batch(x[m], delta[m])
-                        elif inp == "down":
-                            meter.add_batch(down_in[e, st.site.start - 1][m], delta[m])
-                        else:
-                            b = branch[e, st.site.start - 1][m]
-                            meter.add_batch(b if inp == "branch" else torch.cat([x[m], b], dim=1), delta[m])
+                    j = st.site.start - 1
+                    self._add(st, inputs[e, j + 1], y, branch.get((e, j)), down_in.get((e, j)), m, held_mask)
                 for st in group:  # what no later site of this batch needs
                     if done_at[st.site.start] == end:
                         for kept in (inputs, branch, down_in):

@@ -29,7 +29,7 @@ from ..placement import placement_of
 from ..stats import Solution
 from .collect import Collector, SiteStatistics
 from .config import CalibrationConfig
-from .maps import Correction, SpanMap, adapter_from, as_affine, assemble, chain
+from .maps import Correction, SpanMap, adapter_from, assemble, chain
 from .pipeline import IndependentPass
 from .sequential import SequentialWalk
 from .walks import WALKS

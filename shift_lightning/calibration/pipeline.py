@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..passes import BlockCache, StopForward
+from ..arch import StopForward
+from ..passes import BlockCache
 from .collect import Collector
 
 

@@ -54,6 +54,33 @@ class SequentialWalk:
         e["o"], e["m"] = e["h"], None  # o: the original's states (anchored); m: the branch before the next site (joint)
 
     @torch.no_grad()
+    def _site_statistics(self, site: Site, device, bar) -> tuple[SiteStatistics, list[torch.Tensor]]:
+        """Run the site's removed blocks (each brought in once) on every cached batch and sum its ``(x, Δ)`` (and
+        ``([x, m], Δ)``) statistics; returns them and their buffers (to all-reduce)."""
+        cached, run = self.cache.entries, self.cache.run
+        flats = [torch.zeros(RidgeStats.numel(self.dim), dtype=torch.float64, device=device)]
+        stats = SiteStatistics(site, io=RidgeStats(self.dim, site.name, accum_dtype=self.accum, buffer=flats[0]))
+        joint = self.joint and site.start >= 1
+        if joint:
+            flats.append(torch.zeros(RidgeStats.numel(2 * self.dim, self.dim), dtype=torch.float64, device=device))
+            stats.joint = RidgeStats(2 * self.dim, site.name + " [x, m]", accum_dtype=self.accum, buffer=flats[1],
+                                     out_dim=self.dim)
+        ys = [e["o"] if self.anchored else e["h"] for e in cached]
+        for i in range(site.start, site.end):  # the removed blocks, each brought in once for every batch
+            with self.cache.placement.block(self.model, i, device) as block:
+                ys = [run(block, i, e, y) for e, y in zip(cached, ys)]
+            if bar is not None:
+                bar.step(extra=f"block {i}")
+        for e, y in zip(cached, ys):
+            x, m = e["h"], e["mask"]
+            stats.io.add_batch(x[m], (y - x)[m])
+            if joint:
+                stats.joint.add_batch(torch.cat([x[m], e["m"][m]], dim=1), (y - x)[m])
+            if self.anchored:
+                e["o"] = y
+        return stats, flats
+
+    @torch.no_grad()
     def walk(self, device, on_site: Callable[[Site, SiteStatistics], tuple[nn.Module, torch.Tensor | None]],
              reduce: Callable[[list[torch.Tensor]], None], bar=None) -> None:
         """``on_site(site, statistics)`` gets each site's reduced statistics on the current states and
@@ -83,27 +110,7 @@ class SequentialWalk:
                     bar.step(extra=f"block {j}")
                 j += 1
                 continue
-            flats = [torch.zeros(RidgeStats.numel(self.dim), dtype=torch.float64, device=device)]
-            stats = SiteStatistics(site, io=RidgeStats(self.dim, site.name, accum_dtype=self.accum, buffer=flats[0]))
-            joint = self.joint and site.start >= 1
-            if joint:
-                flats.append(torch.zeros(RidgeStats.numel(2 * self.dim, self.dim), dtype=torch.float64, device=device))
-                stats.joint = RidgeStats(2 * self.dim, site.name + " [x, m]", accum_dtype=self.accum, buffer=flats[1],
-                                         out_dim=self.dim)
-            ys = [e["o"] if self.anchored else e["h"] for e in cached]
-            for i in range(site.start, site.end):  # the removed blocks, each brought in once for every batch
-                with placement.block(self.model, i, device) as block:
-                    ys = [run(block, i, e, y) for e, y in zip(cached, ys)]
-                if bar is not None:
-                    bar.step(extra=f"block {i}")
-            for e, y in zip(cached, ys):
-                x, m = e["h"], e["mask"]
-                stats.io.add_batch(x[m], (y - x)[m])
-                if joint:
-                    stats.joint.add_batch(torch.cat([x[m], e["m"][m]], dim=1), (y - x)[m])
-                if self.anchored:
-                    e["o"] = y
-            del ys
+            stats, flats = self._site_statistics(site, device, bar)
             reduce(flats)
             adapter, T = on_site(site, stats)
             adapter = adapter.to(device)

@@ -218,12 +218,8 @@ def run_calibration(
     correction = module.correction() if selection.layers else Correction(calibration.solver)
     site_reports, span_reports = module.site_reports(), module.span_reports()
     del module  # the solutions and per-site adapters (d² floats each): the correction holds the maps, the report the rest
-    closeness, t_close = None, time.time()
-    if placement_of(lm).onloaded and heldout_windows is not None and selection.layers:  # --evaluate's stand-in
-        closeness = HeldoutCloseness(lm, selection.layers, correction)
-        closeness.run(make_trainer(), heldout_windows, heldout.batch_size)
-        closeness = closeness.results
-    t_close = time.time() - t_close
+    closeness, t_close = heldout_report(lm, selection.layers, correction, make_trainer, heldout_windows,
+                                        heldout.batch_size)
     adapters = correction.adapters
     for note in correction.notes:
         log.warning(note)
@@ -288,6 +284,17 @@ def run_calibration(
         log.info("Wrote %s", output_dir)
     dist.barrier()
     return CalibrationResult(report, lm, tokenizer, Path(output_dir) if output_dir else None)
+
+
+def heldout_report(lm, removed: list[int], correction, make_trainer, windows, batch_size: int) -> tuple[dict | None, float]:
+    """An onloaded run's stand-in for ``--evaluate``: the block-major held-out report
+    (:class:`~shift_lightning.evaluation.heldout.HeldoutCloseness`) and its seconds; ``(None, 0)`` otherwise."""
+    if not (placement_of(lm).onloaded and windows is not None and removed):
+        return None, 0.0
+    t0 = time.time()
+    report = HeldoutCloseness(lm, removed, correction)
+    report.run(make_trainer(), windows, batch_size)
+    return report.results, time.time() - t0
 
 
 def refit_positions(refit: dict | None) -> list[int] | None:

@@ -63,8 +63,6 @@ def run_evaluation(model_cfg: ModelConfig, cfg: EvalConfig, trainer: dict | None
                    resolved_config: str | None = None) -> EvaluationResult:
     """Load a model (HF id/folder, GGUF, embedded name, saved pruned+corrected folder, tiny), evaluate it
     with ``trainer.predict`` (1 or more processes) and write ``eval_results.{json,md}`` from rank 0."""
-    import lightning as L
-
     cfg.validate()
     if dist.launch_rank() == 0:
         prepare_output(output_dir, overwrite, eval_inputs(model_cfg, cfg))
