@@ -239,13 +239,27 @@ def entry(run: Callable, argv: list[str] | None = None, parse: Callable | None =
     from the first line on: while starting (parsing, importing torch and Lightning) too —, the run guarded in every
     process (:func:`~shift_lightning.stopping.guarded`). Parsing (``--help``, ``--print_config``, a refused command
     line) happens before torch or Lightning is imported."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (a caller that ignores SIGINT keeps it so)
+        signal.signal(signal.SIGINT, _on_sigint_while_starting)
     try:
         return _entry(run, argv, parse)
-    except KeyboardInterrupt:  # the run's own Ctrl-C is a SystemExit(130) by now: this is the start-up window
-        if "--debug" in (sys.argv[1:] if argv is None else argv):
+    except BaseException as e:  # the run's own Ctrl-C is a SystemExit(130) by now: this is the start-up window
+        # (a Ctrl-C inside torch's imports may surface as another error, e.g. a RecursionError: the flag says)
+        starting = isinstance(e, KeyboardInterrupt) or (_SIGINT_WHILE_STARTING and not isinstance(e, SystemExit))
+        if not starting or "--debug" in (sys.argv[1:] if argv is None else argv):
             raise
         sys.stderr.write(STARTING)
         raise SystemExit(130) from None
+
+
+_SIGINT_WHILE_STARTING: list[int] = []
+
+
+def _on_sigint_while_starting(signum, frame):
+    _SIGINT_WHILE_STARTING.append(signum)
+    raise KeyboardInterrupt
 
 
 def _entry(run: Callable, argv: list[str] | None, parse: Callable | None):
