@@ -93,6 +93,42 @@ def test_onloaded_maps_equal_in_memory_bit_for_bit(folders, family):
         assert blocks <= read, (solver, mode)
 
 
+@pytest.mark.parametrize("placement", ["memory", "onload"])
+def test_sites_are_solved_as_the_walk_passes_them(folders, placement):
+    """``keep_statistics=False`` (the recipe's): each site's sums are allocated at its first block, solved and freed
+    after its last, so a rank holds only the sums of the sites being walked. The maps and reports are bit for bit
+    those of one solve after the walk."""
+    mem, tok = load_model(ModelConfig(name_or_path=str(folders["llama"]), placement="memory"))
+    w = build_windows(TextDataConfig(source=CORPUS, num_samples=8, seq_len=48), tok)
+    h = build_windows(TextDataConfig(source=HELDOUT, num_samples=4, seq_len=48), tok)
+    for solver, gran in [("lra", "block"), ("lra_replaceme", "block"), ("lra_replaceme", "span"), ("stock", "block"),
+                         ("linearpatch", "block"), ("replaceme", "block")]:
+        cfg = CalibrationConfig(solver=solver, granularity=gran, rank=4 if solver == "lra" else None)
+        a = CalibrationModule(copy.deepcopy(mem), [0, 2, 3, 5], cfg)
+        a.calibrate(_trainer(), w, h, batch_size=3)
+        model = load_model(ModelConfig(name_or_path=str(folders["llama"]), placement="onload"))[0] \
+            if placement == "onload" else copy.deepcopy(mem)
+        b = CalibrationModule(model, [0, 2, 3, 5], cfg, keep_statistics=False)
+        held, solve_sites = [], b._solve_sites
+
+        def spy(keys, b=b, solve_sites=solve_sites):
+            j = keys[0][1] - 1  # the block just walked
+            live = [k for k, buf in b._collector.buffers.items() if k != "meters" and not buf.is_meta]
+            held.append((j, sorted(keys), sorted(live)))
+            solve_sites(keys)
+
+        b._solve_sites = spy
+        b.calibrate(_trainer(), w, h, batch_size=3)
+        ma, mb = _maps(a), _maps(b)
+        assert ma.keys() == mb.keys() and ma, solver
+        for k in ma:
+            assert torch.equal(ma[k], mb[k]), (solver, k)
+        assert a.site_reports() == b.site_reports() and a.span_reports() == b.span_reports(), solver
+        assert not b.statistics and sorted(k for _, keys, _ in held for k in keys) == sorted(s.key for s in b.sites)
+        for j, keys, live in held:  # only the sites whose blocks are being walked hold sums
+            assert all(start <= j < end for start, end in live) and set(keys) <= set(live), (solver, held)
+
+
 def decoder_layers_of(model):
     return model.model.layers
 

@@ -161,11 +161,16 @@ class Collector:
     def numel(self) -> int:
         return sum(self.site_numel(site, needs) for site, needs in self.plan.items())
 
-    def allocate(self, device) -> dict[tuple[int, int], SiteStatistics]:
+    def allocate(self, device, keys: set[tuple[int, int]] | None = None) -> dict[tuple[int, int], SiteStatistics]:
         """One float64 buffer per site (on ``device``; :attr:`buffers`, summed across ranks in ONE packed all-reduce)
-        and one :class:`SiteStatistics` per site, views into it: a site's sums are freed with it once it is solved."""
-        self.stats, self.buffers = {}, {}
+        and one :class:`SiteStatistics` per site, views into it: a site's sums are freed with it once it is solved.
+        ``keys``: (re)allocate these sites only (a walk that opens each site at its first block allocates every
+        site on the meta device first, for :meth:`install` to see what each one gathers)."""
+        if keys is None:
+            self.stats, self.buffers = {}, {}
         for site, needs in self.plan.items():
+            if keys is not None and site.key not in keys:
+                continue
             buf = self.buffers[site.key] = torch.zeros(self.site_numel(site, needs), dtype=torch.float64, device=device)
             off = 0
 
@@ -200,7 +205,7 @@ class Collector:
             if "rows" in needs and site.start >= 1:
                 st.rows = ActivationRows(self.dim, self.max_rows)
             self.stats[site.key] = st
-        if self.meters:  # three sums a meter, in one buffer of their own (packed into the same all-reduce)
+        if self.meters and keys is None:  # three sums a meter, in one buffer of their own (packed into the same all-reduce)
             buf = self.buffers["meters"] = torch.zeros(3 * len(self.meters), dtype=torch.float64, device=device)
             for n, (site, inp, meter) in enumerate(self.meters):
                 meter.buffer = buf[3 * n:3 * n + 3]
@@ -212,13 +217,15 @@ class Collector:
         self.stats.pop(key, None)
         self.buffers.pop(key, None)
 
-    def derive(self) -> None:
+    def derive(self, keys: list[tuple[int, int]] | None = None) -> None:
         """After the pass (and its all-reduce): each site's ``io`` (and ``held_io``) copied out of its ``joint``
         (``held_joint``) where it has one: the rows and columns of ``x`` and of the ones column. The same sums
-        as accumulating ``io`` itself, up to float64 rounding."""
+        as accumulating ``io`` itself, up to float64 rounding. ``keys``: these sites only."""
         d = self.dim
         idx = torch.cat([torch.arange(d), torch.tensor([2 * d])])
-        for st in self.stats.values():
+        for key, st in self.stats.items():
+            if keys is not None and key not in keys:
+                continue
             for io, joint in ((st.io, st.joint), (st.held_io, st.held_joint)):
                 if io is None or joint is None:
                     continue
@@ -263,9 +270,9 @@ class Collector:
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         branch: dict[tuple[int, int], torch.Tensor] = {}
         down_in: dict[tuple[int, int], torch.Tensor] = {}
-        by_end: dict[int, list[SiteStatistics]] = {}
-        for st in self.stats.values():
-            by_end.setdefault(st.site.end, []).append(st)
+        by_end: dict[int, list[tuple[int, int]]] = {}  # keys: a site's statistics may be allocated after install
+        for key, st in self.stats.items():
+            by_end.setdefault(st.site.end, []).append(key)
         last_end = max(by_end)
         done_at: dict[int, int] = {}  # site start -> the last end of the sites starting there
         for st in self.stats.values():
@@ -298,6 +305,7 @@ class Collector:
                 if self.heldout_every and self._windows is not None:
                     k = self.heldout_every
                     held_mask = m & ((self._windows % k) == k - 1).to(m.device)[:, None]
+                group = [self.stats[key] for key in group]
                 for st in group:
                     j = st.site.start - 1
                     self._add(st, inputs[e, j + 1], y, branch.get((e, j)), down_in.get((e, j)), m, held_mask)

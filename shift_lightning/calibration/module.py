@@ -83,7 +83,8 @@ class CalibrationModule(DataPass):
         self._collector: Collector | None = None
         self._walk: SequentialWalk | None = None
         self._pipe: IndependentPass | SequentialWalk | None = None
-        self._on_site = None
+        self._on_site = self._eager = None
+        self._solved = 0
         self.solve_seconds = 0.0
         self.fit_choice: dict | None = None  # mode auto: the held-out judgement of its fits
 
@@ -122,21 +123,36 @@ class CalibrationModule(DataPass):
             if self._walk is not None:
                 self._walk.walk(self.device, self._on_site, reduce, bar)
             else:  # the sums are allocated once the windows are cached (an onloaded embedding is released then)
-                self._collector.allocate(self.device)
-                self._pipe.walk(self.device, reduce, bar)
+                if self._eager is None:
+                    self._collector.allocate(self.device)
+                self._pipe.walk(self.device, reduce, bar, self._eager)
         finally:
             bar.close()
 
-    def _collect(self, trainer, windows, batch_size, plan, stage, holdout=False):
+    def _collect(self, trainer, windows, batch_size, plan, stage, holdout=False, solve=False):
+        """The statistics of ``plan`` in one block-major pass. ``solve``: each site solved (and its sums freed) as
+        soon as the walk has passed its last block (the same sums and solves as :meth:`solve` after the pass)."""
         self._collector = Collector(self.dim, plan, self.cfg.accum_dtype, self.cfg.heldout_every if holdout else None,
                                     self.cfg.cosine_max_tokens, self.ffn_dim)
         self._pipe, self.stage = IndependentPass(self.model, self._collector), stage
+        if solve:
+            self._eager, self._solved = self._solve_sites, 0
         try:
             self.run(trainer, windows, batch_size)
         finally:
-            self._pipe = None
-        self._collector.derive()
+            self._pipe = self._eager = None
+        if not solve:
+            self._collector.derive()
         return self._collector.stats
+
+    def _solve_sites(self, keys: list[tuple[int, int]]) -> None:
+        """Inside the walk: sites ``keys`` have all their (all-reduced) sums: solve them, free the sums."""
+        self._collector.derive(keys)
+        self.statistics = {key: self._collector.stats[key] for key in keys}
+        self._solved = self.solve(free=True, keys=set(keys), first=self._solved)
+        for key in keys:  # a site no solver fits (e.g. ReplaceMe's cosine fit has nothing before block 0)
+            self.statistics.pop(key, None)
+            self._collector.release(key)
 
     def _sequential(self, trainer, windows, batch_size, on_site, stage, anchored=False):
         self._walk = self._pipe = SequentialWalk(self.model, self.sites, self.dim, self.cfg.accum_dtype,
@@ -172,12 +188,14 @@ class CalibrationModule(DataPass):
             walk.measure(trainer, heldout, batch_size, "heldout")
         return self.sites
 
-    def solve(self, free: bool = False) -> list[Site]:
+    def solve(self, free: bool = False, keys: set[tuple[int, int]] | None = None, first: int = 0):
         """(Re)solve every solver from the statistics held now, e.g. statistics summed over several
         passes (:meth:`add_statistics`) or reused with another damping or rank. ``free``: drop each site's
         statistics once its last solve is stored (the d² sums of all sites are then never held beside all the
-        solutions)."""
-        jobs = [Job(s.key, t, s, self.statistics[t.key]) for s in self._fittable() for t in self._targets(s)]
+        solutions). ``keys``: these sites only; ``first``: the number of jobs solved before (the ranks take turns
+        across calls). Returns ``first`` plus the number of jobs solved."""
+        jobs = [Job(s.key, t, s, self.statistics[t.key]) for s in self._fittable() for t in self._targets(s)
+                if keys is None or t.key in keys]
         for job in jobs:  # collectives first, on every rank: a solve then runs on its owner alone
             if job.stats.rows is not None:
                 job.stats.rows.gather()
@@ -192,8 +210,8 @@ class CalibrationModule(DataPass):
                     self._collector.release(job.site.key)
                 job.stats = None
 
-        solve_shared(jobs, self.dim, device, store)
-        return self.sites
+        solve_shared(jobs, self.dim, device, store, first)
+        return first + len(jobs)
 
     def drop_statistics(self) -> None:
         """Free the statistics (d² float64 sums per site) once the maps are fitted and measured."""
@@ -244,8 +262,8 @@ class CalibrationModule(DataPass):
     @property
     def stats_device(self) -> torch.device:
         """Where the statistics are held (and solved)."""
-        return next((st.io or st.branch or st.scale).buffer.device for st in self.statistics.values()
-                    if (st.io or st.branch or st.scale) is not None)
+        return next((part.buffer.device for st in self.statistics.values()
+                     for part in (st.io, st.branch, st.joint, st.down, st.scale) if part is not None), self.device)
 
     # ---------------------------------------------------------------- held-out errors
     def measure(self, trainer: L.Trainer, windows: TokenWindows, batch_size: int = 4, key: str = "heldout") -> None:

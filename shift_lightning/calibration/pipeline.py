@@ -48,12 +48,20 @@ class IndependentPass:
         self.cache.cache_batch(batch, mask, device)
 
     @torch.no_grad()
-    def walk(self, device, reduce, bar=None) -> None:
-        """Blocks ``0..last`` over every entry, then ONE all-reduce of every site's sums (``reduce``)."""
+    def walk(self, device, reduce, bar=None, done=None) -> None:
+        """Blocks ``0..last`` over every entry, then ONE all-reduce of every site's sums (``reduce``).
+
+        ``done(keys)`` given: each site's sums are allocated when the walk reaches its first block and, once its
+        last block has run on every entry, all-reduced (each sum still once) and handed to ``done`` (which solves
+        and frees them): a rank then holds the sums of the sites being walked, not of all sites."""
         placement, col = self.cache.placement, self.collector
+        if done is not None:
+            col.allocate("meta")
         handles = col.install(self.model)
         try:
             for j in range(self.last + 1):
+                if done is not None:
+                    col.allocate(device, {site.key for site in col.plan if site.start == j})
                 with placement.block(self.model, j, device) as block:
                     for k, e in enumerate(self.cache.entries):
                         col.batch(e["mask"], e["index"], k)
@@ -61,10 +69,14 @@ class IndependentPass:
                             e["h"] = self.cache.run(block, j, e, e["h"])
                         except StopForward:
                             pass
+                if done is not None and (keys := [site.key for site in col.plan if site.end == j + 1]):
+                    reduce([col.buffers[key] for key in keys])
+                    done(keys)
                 if bar is not None:
                     bar.step(extra=f"block {j}")
         finally:
             for h in handles:
                 h.remove()
         self.cache.entries = []
-        reduce(list(col.buffers.values()))
+        if done is None:
+            reduce(list(col.buffers.values()))

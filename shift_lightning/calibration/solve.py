@@ -40,13 +40,14 @@ def _broadcast_object(obj, src: int):
     return box[0]
 
 
-def solve_shared(jobs: list[Job], dim: int, device, on_solved=None) -> list[Solution]:
+def solve_shared(jobs: list[Job], dim: int, device, on_solved=None, first: int = 0) -> list[Solution]:
     """Solve ``jobs`` shared out among ranks; every rank returns every solution (same order). ``on_solved(n, job,
-    solution)`` is called on every rank as each job's solution arrives (e.g. to free what no later job needs)."""
+    solution)`` is called on every rank as each job's solution arrives (e.g. to free what no later job needs).
+    ``first``: the jobs solved before by the same caller (job ``n`` runs on rank ``(first + n) mod world``)."""
     world, me = dist.world_size(), dist.rank()
     out = []
     for n, job in enumerate(jobs):
-        owner = n % world
+        owner = (first + n) % world
         r = job.solver.rank(dim)
         sol, meta = None, {}
         if me == owner:

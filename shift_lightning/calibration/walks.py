@@ -70,8 +70,10 @@ class Independent(Walk):
         if any(c.span for g in m.guards for c in m.solvers[g].candidates(m.dim)):
             plan += [(t, {"io"}) for t in m.spans]  # the span-level LRA candidate's statistics
         holdout = any(s.holdout for s in m.solvers.values())
-        m.statistics = m._collect(trainer, windows, batch_size, plan, "calibration statistics", holdout)
-        m.solve(free=not m.keep_statistics and not m.guards)
+        eager = not m.keep_statistics and not m.guards  # each site solved as the walk passes it, its sums freed
+        m.statistics = m._collect(trainer, windows, batch_size, plan, "calibration statistics", holdout, eager)
+        if not eager:
+            m.solve()
         for name in m.guards:
             GuardChoice(m, name).run(trainer, windows, batch_size)
 
