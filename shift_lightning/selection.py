@@ -55,7 +55,8 @@ class CriterionScorer(DataPass):
     def begin(self) -> None:
         self.scorer.setup(self.model, self.device) if hasattr(self.scorer, "on_block") else self.scorer.setup(self.model)
         if hasattr(self.scorer, "on_block"):
-            self._cache = BlockCache(self.model, len(decoder_layers(self.model)) - 1)
+            last = getattr(self.scorer, "last_block", len(decoder_layers(self.model)) - 1)
+            self._cache = BlockCache(self.model, last)
 
     def step(self, batch, batch_idx):
         if self._cache is not None:
@@ -71,21 +72,34 @@ class CriterionScorer(DataPass):
         if self._cache is None:
             return
         cache, self._cache = self._cache, None
-        bar = self.progress(f"{self.stage}, block by block", cache.last + 1)
+        streams = getattr(self.scorer, "streams", False)  # the scorer runs states of its own through each block
+        bar = self.progress(f"{self.stage}, block by block", cache.last + 1 + streams)
         for j in range(cache.last + 1):
             with cache.placement.block(self.model, j, self.device) as block:
                 for k, e in enumerate(cache.entries):
                     x_out = cache.run(block, j, e, e["h"])
-                    self.scorer.on_block(j, e["h"], x_out, e["mask"], k)
+                    if streams:
+                        self.scorer.on_block(j, e["h"], x_out, e["mask"], k,
+                                             run=lambda h, e=e: cache.run(block, j, e, h))
+                    else:
+                        self.scorer.on_block(j, e["h"], x_out, e["mask"], k)
                     e["h"] = x_out
             bar.step(extra=f"block {j}")
+        if streams:  # then the final norm and the head, brought in once
+            inner, head = self.model.model, self.model.get_output_embeddings()
+            with cache.placement.piece(inner.norm, "model.norm.", self.device) as norm, \
+                    cache.placement.piece(head, "lm_head.", self.device) as head:
+                for k, e in enumerate(cache.entries):
+                    self.scorer.on_final(e["h"], norm, head, e["mask"], k)
+            bar.step(extra="final norm and head")
         bar.close()
         sum_across_ranks(self.scorer.state(), self.trainer)
 
 
 #: Criteria an onloaded run (``--model.placement onload``) can select with: no pass, the weights block by block,
 #: or hidden states block by block.
-ONLOAD_CRITERIA = ("reverse_star", "reverse", "random", "magnitude_l1", "magnitude_l2", "angular", "block_influence")
+ONLOAD_CRITERIA = ("reverse_star", "reverse", "random", "magnitude_l1", "magnitude_l2", "angular", "block_influence",
+                   "linear_fit", "linear_fit_kl")
 
 
 def default_trainer(model: nn.Module) -> L.Trainer:

@@ -133,7 +133,7 @@ def decoder_layers_of(model):
     return model.model.layers
 
 
-@pytest.mark.parametrize("criterion", ["angular", "block_influence", "magnitude_l2"])
+@pytest.mark.parametrize("criterion", ["angular", "block_influence", "magnitude_l2", "linear_fit", "linear_fit_kl"])
 def test_onloaded_criteria_equal_in_memory(folders, criterion):
     """The criteria of hidden states (block by block over the cached windows) and of weights (block by block from
     the files) score an onloaded model as they score it in memory, bit for bit."""
@@ -145,6 +145,7 @@ def test_onloaded_criteria_equal_in_memory(folders, criterion):
     cfg = PruneConfig(criterion=criterion, ratio=0.34, batch_size=3)
     a, b = select_blocks(cfg, mem, w, _trainer), select_blocks(cfg, onl, w, _trainer)
     assert a.layers == b.layers and a.scores == b.scores and a.scores
+    assert a.details == b.details  # linear_fit: every span's cost; linear_fit_kl: every candidate's KL and top-1
     assert all(p.is_meta for p in onl.parameters())
 
 

@@ -31,7 +31,8 @@ Memory: the fit keeps ``(d+1)² + (d+1)d + 1`` float64 values per candidate bloc
 d = 576 (SmolLM2: 160 MB for 30 blocks), 6.6 MB at d = 640 (Gemma3-270M: 118 MB for 18 blocks),
 268 MB at d = 4096 (Llama-3-8B: 8.6 GB for 32 blocks). Candidates beyond ``max_stats_gb`` are
 fitted in further passes over the fitting windows (groups of blocks); the judge pass needs ``k``
-states of one batch and the float32 maps of the candidate blocks (2.1 GB at d = 4096, 32 blocks).
+states of each batch and the float32 maps of the candidate blocks (2.1 GB at d = 4096, 32 blocks). Every pass is
+block-major (:class:`~shift_lightning.selection.CriterionScorer`): it runs onloaded, each block read once a pass.
 """
 
 from __future__ import annotations
@@ -41,31 +42,10 @@ import math
 import torch
 from torch import nn
 
-from ..arch import Bypass, block_hooks, decoder_layers, swapped_blocks
 from ..closeness import kl_top1_from_hidden, lm_softcap, topk_from_hidden
 from ..lra import AdapterSpec, LinearResidualAdapter
 from ..stats import RidgeStats, ridge_solve
 from .base import CriterionError
-
-
-class _Stop(Exception):
-    pass
-
-
-def _forward_through(model: nn.Module, batch: dict, on_block, last: int) -> None:
-    """Run the decoder on ``batch`` with ``on_block(i, x_in, x_out)`` hooked on every block, and stop
-    after block ``last`` (nothing later is needed)."""
-
-    def hook(i, x_in, x_out):
-        on_block(i, x_in, x_out)
-        if i == last:
-            raise _Stop
-
-    with block_hooks(decoder_layers(model), hook):
-        try:
-            model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        except _Stop:
-            pass
 
 
 def _best_sets(cost: dict[tuple[int, int], float], allowed: list[int], num_layers: int, k: int
@@ -160,8 +140,13 @@ class LinearFit:
     def passes(self) -> int:
         return len(self.groups) + 1
 
-    def setup(self, model: nn.Module) -> None:
-        d, dev = model.config.hidden_size, next(model.parameters()).device
+    @property
+    def last_block(self) -> int:
+        """The last block this phase's walk needs."""
+        return max(self.stats) if self.phase == 0 else max(self.maps)
+
+    def setup(self, model: nn.Module, device=None) -> None:
+        d, dev = model.config.hidden_size, device or next(model.parameters()).device
         if not self.groups:
             self.plan(d)
         if self.phase == 0:
@@ -173,38 +158,32 @@ class LinearFit:
         else:
             self.err = torch.zeros(self.L, self.k + 1, dtype=torch.float64, device=dev)
             self.den = torch.zeros(self.L, self.k + 1, dtype=torch.float64, device=dev)
+            self._chains: dict[int, dict[int, torch.Tensor]] = {}  # per batch: the chains still open
 
     @torch.no_grad()
-    def step(self, model: nn.Module, batch: dict) -> None:
-        mask = batch["attention_mask"].bool()
+    def on_block(self, j: int, x_in: torch.Tensor, x_out: torch.Tensor, mask: torch.Tensor, entry: int = 0) -> None:
+        """Block ``j`` ran on batch ``entry`` (the walk is block-major: every batch, then the next block). Fitting:
+        block ``j``'s statistics. Judging: the open chains of that batch moved on by ``LRA_j`` and scored."""
         if self.phase == 0:
-
-            def accumulate(i, x_in, x_out):
-                if i in self.stats:
-                    self.stats[i].add_batch(x_in[mask], (x_out - x_in)[mask])
-
-            _forward_through(model, batch, accumulate, last=max(self.stats))
+            if j in self.stats:
+                self.stats[j].add_batch(x_in[mask], (x_out - x_in)[mask])
             return
-        chains: dict[int, torch.Tensor] = {}
-
-        def on_block(j, x_in, x_out):
-            if j not in self.maps:
-                chains.clear()  # no chain runs through a block that may not be removed
-            else:
-                W, b = self.maps[j]
-                chains[j] = x_in[mask].float()
-                h = x_out[mask].float()
-                energy = h.double().square().sum()
-                for a in sorted(chains):
-                    if j - a >= self.k:
-                        del chains[a]
-                        continue
-                    y = chains[a] + chains[a] @ W.T + b
-                    chains[a] = y
-                    self.err[a, j + 1 - a] += (h - y).double().square().sum()
-                    self.den[a, j + 1 - a] += energy
-
-        _forward_through(model, batch, on_block, last=max(self.maps))
+        chains = self._chains.setdefault(entry, {})
+        if j not in self.maps:
+            chains.clear()  # no chain runs through a block that may not be removed
+            return
+        W, b = self.maps[j]
+        chains[j] = x_in[mask].float()
+        h = x_out[mask].float()
+        energy = h.double().square().sum()
+        for a in sorted(chains):
+            if j - a >= self.k:
+                del chains[a]
+                continue
+            y = chains[a] + chains[a] @ W.T + b
+            chains[a] = y
+            self.err[a, j + 1 - a] += (h - y).double().square().sum()
+            self.den[a, j + 1 - a] += energy
 
     def state(self) -> list[torch.Tensor]:
         return [self.flat] if self.phase == 0 else [self.err, self.den]
@@ -265,8 +244,9 @@ class LinearFitKL(LinearFit):
     KL(original ‖ repaired) against the original's top-``topk`` distribution (:mod:`~shift_lightning.closeness`,
     the grid's closeness measure). The closest candidate is removed (ties: fewer spans).
 
-    Cost of the third pass per batch: one forward of the original and one of each candidate (at most
-    ``k``), each to the LM head; memory: the original's top-k of one batch (12 bytes per entry).
+    The third pass is block-major like the others: each block brought in once, run on the original's and every
+    candidate's state of every batch (at most ``k`` candidates: ``(k + 1) × windows × T × d`` states held), then the
+    final norm and the head once; memory beside the states: the original's top-k of one batch (12 bytes per entry).
     """
 
     name = "linear_fit_kl"
@@ -282,24 +262,43 @@ class LinearFitKL(LinearFit):
     def done(self) -> bool:
         return self.phase >= 3
 
-    def setup(self, model: nn.Module) -> None:
+    @property
+    def last_block(self) -> int:
+        return super().last_block if self.phase < 2 else self.L - 1
+
+    @property
+    def streams(self) -> bool:
+        """Judging whole candidates: the walk hands :meth:`on_block` the block to run their states through, and
+        :meth:`on_final` the final norm and the head."""
+        return self.phase >= 2
+
+    def setup(self, model: nn.Module, device=None) -> None:
         if self.phase < 2:
-            return super().setup(model)
-        dev = next(model.parameters()).device
+            return super().setup(model, device)
+        dev = device or next(model.parameters()).device
         self.sums = torch.zeros(len(self.cands), 3, dtype=torch.float64, device=dev)  # Σ KL, Σ top-1, positions
+        self.softcap = lm_softcap(model)
+        self._states: dict[int, list[torch.Tensor]] = {}  # per batch: each candidate's hidden state
 
     @torch.no_grad()
-    def step(self, model: nn.Module, batch: dict) -> None:
+    def on_block(self, j: int, x_in: torch.Tensor, x_out: torch.Tensor, mask: torch.Tensor, entry: int = 0,
+                 run=None) -> None:
+        """Judging: block ``j`` moves each candidate's state of batch ``entry`` on (``run``: the block on another
+        state), or the candidate's LRA stands in for it where the candidate removes it (what
+        :class:`~shift_lightning.arch.Bypass` does in the repaired model)."""
         if self.phase < 2:
-            return super().step(model, batch)
-        mask = batch["attention_mask"].bool()
-        head, softcap = model.get_output_embeddings(), lm_softcap(model)
-        kw = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        ref = topk_from_hidden(model.model(**kw).last_hidden_state[mask], head, self.topk, softcap)
+            return super().on_block(j, x_in, x_out, mask, entry)
+        states = self._states.setdefault(entry, [x_in] * len(self.cands))
         for n, blocks in enumerate(self.cands.values()):
-            with swapped_blocks(model, {j: Bypass(self.adapters[j]) for j in blocks}):
-                h = model.model(**kw).last_hidden_state[mask]
-            kl, agree = kl_top1_from_hidden(h, head, ref, softcap)
+            states[n] = self.adapters[j](states[n]) if j in blocks else run(states[n])
+
+    @torch.no_grad()
+    def on_final(self, h: torch.Tensor, norm: nn.Module, head: nn.Module, mask: torch.Tensor, entry: int) -> None:
+        """After the last block: the original's state ``h`` of batch ``entry``; each candidate's next-token KL and
+        top-1 against the original's top-k."""
+        ref = topk_from_hidden(norm(h)[mask], head, self.topk, self.softcap)
+        for n, state in enumerate(self._states.pop(entry)):
+            kl, agree = kl_top1_from_hidden(norm(state)[mask], head, ref, self.softcap)
             self.sums[n, 0] += kl.sum().to(self.sums)
             self.sums[n, 1] += agree.sum().to(self.sums)
             self.sums[n, 2] += kl.numel()
