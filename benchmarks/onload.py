@@ -425,9 +425,9 @@ def base_rss_anon() -> int:
 def predicted_peak(cfg, solver: str, removed: list[int], windows: int, seq_len: int, batch: int,
                    dtype_bytes: int, base: int) -> dict:
     """Peak memory of one rank from the formula of docs/larger-than-memory.md: the process, plus the largest of
-    the phases (caching: the embedding table; walk: one block, the states, one batch's activations, the
-    statistics; solve: the statistics freed site by site as the solutions arrive, and the largest site's solve (three
-    (d_in+1)² float64 matrices); held-out: one block, the states,
+    the phases (caching: the embedding table; walk: one block, the states, one batch's activations, the sums of
+    the site being walked and the solutions before it; solve (between blocks): a site's sums, its solve's three
+    (d_in+1)² float64 matrices and the solutions before it; held-out: one block, the states,
     the solutions and their adapters; save: one block or one top-level tensor, and the merged maps)."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
@@ -442,19 +442,21 @@ def predicted_peak(cfg, solver: str, removed: list[int], windows: int, seq_len: 
         else:
             spans.append([i, i + 1])
     if solver == "lra":  # one site a removed block; the solution W (d x d) and b in float64
-        stats, solution, extra_states = len(removed) * ridge(d, d), 8 * (d * d + d), 0
-        n_solutions, d_in = len(removed), d
+        sites, solution, extra_states, d_in = [ridge(d, d)] * len(removed), 8 * (d * d + d), 0, d
     elif solver == "lra_replaceme":  # one site a span: [x, m] (2d inputs) and x; the solution W, T
-        stats = sum(ridge(2 * d, d) + ridge(d, d) if s >= 1 else ridge(d, d) for s, _ in spans)
-        solution, extra_states, n_solutions = 8 * (2 * d * d + d), 2 * states, len(spans)  # x held, m kept
-        d_in = 2 * d
+        sites = [ridge(2 * d, d) + ridge(d, d) if s >= 1 else ridge(d, d) for s, _ in spans]
+        solution, extra_states, d_in = 8 * (2 * d * d + d), 2 * states, 2 * d
     else:
         raise ValueError(f"no memory model for solver {solver!r}")
+    # each site's sums are allocated at its first block and freed once solved after its last: the walk holds the
+    # sums of the site being walked and the solutions of the sites before it
+    walked = max(st + n * solution for n, st in enumerate(sites))
+    solved = max(st + n * solution + 3 * 8 * (d_in + 1) ** 2 for n, st in enumerate(sites))  # centred Gram, temp, L
     maps = len(spans) * d * d * dtype_bytes  # the merged adapters the pruned model carries
     phases = {"caching": v * d * dtype_bytes + states,
-              "walk": block + states + extra_states + acts + stats,
-              "held-out": block + states + extra_states + acts + n_solutions * (solution + d * d * dtype_bytes),
-              "solve": stats + solution + 3 * 8 * (d_in + 1) ** 2,  # the ridge's centred Gram, a temporary, L
+              "walk": block + states + extra_states + acts + walked,
+              "held-out": block + states + extra_states + acts + len(sites) * (solution + d * d * dtype_bytes),
+              "solve": states + extra_states + solved,
               "save": max(block, v * d * dtype_bytes) + maps}
     worst = max(phases, key=phases.get)
     return {"base_bytes": base, "phases_bytes": phases, "peak_phase": worst, "predicted_peak_bytes": base + phases[worst]}
