@@ -110,8 +110,8 @@ class Onloaded:
         sl = self._handle(self.files[name]).get_slice(name)
         shape = sl.get_shape()
         dtype, device = dtype or self.dtype, torch.device(device or "cpu")
-        if len(shape) < 2 or math.prod(shape) <= chunk:
-            out = sl[:].to(device=device, dtype=dtype)
+        if len(shape) < 2 or math.prod(shape) <= chunk:  # a copy: a slice of the stored dtype may be the mapped
+            out = sl[:].to(device=device, dtype=dtype, copy=True)  # file's pages, which a fold would change in place
         else:
             out = torch.empty(shape, dtype=dtype, device=device)
             rows = max(1, chunk // math.prod(shape[1:]))

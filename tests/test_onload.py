@@ -129,6 +129,23 @@ def test_sites_are_solved_as_the_walk_passes_them(folders, placement):
             assert all(start <= j < end for start, end in live) and set(keys) <= set(live), (solver, held)
 
 
+def test_a_fold_changes_every_read_once(folders):
+    """A fold changes the block's weights in place; the next read of the block must start from the file again (a
+    tensor read in its stored dtype may be the mapped file's pages: changed in place, every later read saw the fold
+    applied once more)."""
+    onl, _ = load_model(ModelConfig(name_or_path=str(folders["llama"]), placement="onload"))
+    pl = placement_of(onl)
+    pl.after_load(pl.sources[1], lambda block: block.mlp.down_proj.weight.data.mul_(2.0))
+    reads = []
+    for _ in range(3):
+        with pl.block(onl, 1) as block:
+            reads.append(block.mlp.down_proj.weight.detach().clone())
+    stored = load_file(str(next(p for p in folders["llama"].glob("*.safetensors")
+                                if "model.layers.1.mlp.down_proj.weight" in load_file(str(p)))))
+    assert torch.equal(reads[0], 2.0 * stored["model.layers.1.mlp.down_proj.weight"].float())
+    assert torch.equal(reads[0], reads[1]) and torch.equal(reads[1], reads[2])
+
+
 def decoder_layers_of(model):
     return model.model.layers
 
