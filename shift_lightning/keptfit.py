@@ -28,15 +28,24 @@ blocks are refused (``post_norm="refuse"``, what ``--calibration.refit_kept`` us
 Statistics per group: ``X_pᵀX_p`` and ``X_pᵀZ*`` in float64 from the real (unpadded) tokens; the walk keeps the
 per-batch states of both models (2 · tokens · d floats) and runs each re-fitted block once per group. The
 parameter count is unchanged: the re-fitted layers replace the originals.
+
+Every walk is block-major (:class:`Walk`), so the re-fit runs in every placement: onloaded
+(``--model.placement onload``) the original is a second skeleton over the same files, each block is read when a walk
+reaches it, and a re-fitted block's seven weight matrices are kept on the CPU in the compute dtype and put in place
+each time the block is read (the streamed save writes them). The held-out check reads the pruned model from the first
+re-fitted block to the head once per tried block.
 """
 
 from __future__ import annotations
 
 import torch
 
+import copy
+
 from .arch import block_input, block_output, decoder_layers
+from .closeness import TopK, kl_top1_from_hidden, lm_softcap, topk_from_hidden
 from .errors import ShiftError
-from .closeness import window_closeness, window_references
+from .placement import placement_of
 
 #: The linear layers of a block in the order its forward runs them; each group shares one input.
 GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
@@ -68,47 +77,54 @@ def _mid_norm(blk):
 
 
 class Walk:
-    """The states entering one block per batch, and every later block's call arguments: blocks run one at a time."""
+    """The states of ``windows`` entering block ``at`` of ``model``, per batch of ``batch`` windows, and every block's
+    call arguments: blocks run one at a time (block-major), each brought in by the model's placement
+    (:mod:`shift_lightning.placement`: in memory a no-op; onloaded, read from the files with its folds and any
+    re-fitted weights). The embedding runs once per batch (:class:`~shift_lightning.passes.BlockCache`)."""
 
     @torch.no_grad()
-    def __init__(self, model, windows, first: int, batch: int = 4):
-        self.blocks, self.at, self.h, self.masks, self.calls = decoder_layers(model), first, [], [], []
-        got = {}
+    def __init__(self, model, windows, first: int = 0, batch: int = 4, device=None):
+        from .passes import BlockCache  # noqa: PLC0415 (the block-major cache; passes imports Lightning)
 
-        def grab(i, a, kw):
-            got[i] = (tuple(a[1:]), dict(kw))
-            if i == first:
-                got["h"] = block_input(a, kw)
+        self.model, self.blocks, self.placement = model, decoder_layers(model), placement_of(model)
+        self.device = torch.device(device) if device is not None else _device(model)
+        cache = BlockCache(model, len(self.blocks) - 1)
+        self.h, self.masks, self.calls, self.at = [], [], [], 0
+        for b in range(0, len(windows), batch):
+            am = windows.attention_mask[b:b + batch].to(self.device)
+            e = cache.cache_batch({"input_ids": windows.input_ids[b:b + batch].to(self.device), "attention_mask": am},
+                                  am.bool(), self.device)
+            self.h.append(e["h"])
+            self.masks.append(e["mask"])
+            self.calls.append(e["calls"])
+        cache.entries = []
+        self.advance_to(first)
 
-        dev = next(model.parameters()).device
-        hs = [self.blocks[i].register_forward_pre_hook(lambda m, a, kw, i=i: grab(i, a, kw), with_kwargs=True,
-                                                       prepend=True) for i in range(first, len(self.blocks))]
-        try:
-            for b in range(0, len(windows), batch):
-                ids, mask = windows.input_ids[b:b + batch].to(dev), windows.attention_mask[b:b + batch].to(dev)
-                got.clear()
-                model.model(input_ids=ids, attention_mask=mask, use_cache=False)
-                self.h.append(got["h"])
-                self.masks.append(mask.bool())
-                self.calls.append({i: got[i] for i in range(first, len(self.blocks))})
-        finally:
-            for h in hs:
-                h.remove()
+    def block(self):
+        """The block the states enter, brought in for the length of a ``with``."""
+        return self.placement.block(self.model, self.at, self.device)
+
+    def fork(self) -> "Walk":
+        """A walk from here on the same states (the states are not copied: blocks make new ones)."""
+        other = copy.copy(self)
+        other.h = list(self.h)
+        return other
 
     @torch.no_grad()
     def advance_to(self, j: int) -> None:
         """Run blocks ``at .. j − 1`` (with their hooks: adapters apply) so that the states enter block ``j``."""
         while self.at < j:
-            blk, i = self.blocks[self.at], self.at
-            self.h = [block_output(blk(h, *self.calls[b][i][0], **self.calls[b][i][1])) for b, h in enumerate(self.h)]
+            i = self.at
+            with self.block() as blk:
+                self.h = [block_output(blk(h, *self.calls[b][i][0], **self.calls[b][i][1])) for b, h in enumerate(self.h)]
             self.at += 1
 
     @torch.no_grad()
-    def taps(self, b: int, upto: int) -> dict:
-        """float64 rows (real tokens) of batch ``b`` at block ``at``, running the block only as far as group
-        ``upto``: for each group ``g ≤ upto`` its input ``(g, "x")``; ``"in"`` (the state after any adapter),
-        ``"mid"`` (the stream after attention) and the post-norms' outputs ``(g, "n")``."""
-        blk, i = self.blocks[self.at], self.at
+    def taps(self, blk, b: int, upto: int) -> dict:
+        """float64 rows (real tokens) of batch ``b`` at block ``at`` (``blk``: that block, brought in), running the
+        block only as far as group ``upto``: for each group ``g ≤ upto`` its input ``(g, "x")``; ``"in"`` (the state
+        after any adapter), ``"mid"`` (the stream after attention) and the post-norms' outputs ``(g, "n")``."""
+        i = self.at
         got, handles = {}, []
 
         def keep(key, t):
@@ -138,6 +154,28 @@ class Walk:
             for hd in handles:
                 hd.remove()
         return {k: t[self.masks[b]].double() for k, t in got.items()}
+
+    @torch.no_grad()
+    def to_head(self, per_window) -> None:
+        """Run the remaining blocks, then bring the final norm and the LM head in once and call
+        ``per_window(w, hidden, head, softcap)`` for every window ``w`` in order (``hidden``: its real positions after
+        the final norm and any adapter in front of it)."""
+        self.advance_to(len(self.blocks))
+        inner, cap = self.model.model, lm_softcap(self.model)
+        with self.placement.piece(inner.norm, "model.norm.", self.device) as norm, \
+                self.placement.piece(self.model.get_output_embeddings(), "lm_head.", self.device) as head:
+            w = 0
+            for h, mask in zip(self.h, self.masks):
+                hidden = norm(h)
+                for r in range(h.shape[0]):
+                    per_window(w, hidden[r][mask[r]], head, cap)
+                    w += 1
+
+
+def _device(model) -> torch.device:
+    """Where ``model``'s weights are (an onloaded skeleton's are meta: the CPU)."""
+    p = next((p for p in model.parameters() if not p.is_meta), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 def _norm_target(norm, t: torch.Tensor, z_now: torch.Tensor) -> torch.Tensor:
@@ -171,7 +209,7 @@ def _get(blk, name: str):
 
 @torch.no_grad()
 def refit_kept(pruned, original, windows, pairs: list[tuple[int, int]], damping: float, progress=None,
-               post_norm: str = "refuse", reduce=None) -> list[dict]:
+               post_norm: str = "refuse", reduce=None, device=None) -> list[dict]:
     """Re-fit in place the linear layers of pruned blocks ``p`` (original index ``o``) for each ``(p, o)`` of
     ``pairs`` (ascending), on ``windows`` (see the module doc); ``pruned`` carries its correction (adapters,
     folded maps) already. ``post_norm``: ``"refuse"`` blocks with norms between branch and stream, or fit them
@@ -191,48 +229,84 @@ def refit_kept(pruned, original, windows, pairs: list[tuple[int, int]], damping:
     blocks = decoder_layers(pruned)
     for p, o in pairs:
         check_block(blocks[p], f"block {o}", post_norm)
-    wp, wo = Walk(pruned, windows, pairs[0][0]), Walk(original, windows, pairs[0][1])
-    dev = next(pruned.parameters()).device
+    wp, wo = Walk(pruned, windows, pairs[0][0], device=device), Walk(original, windows, pairs[0][1], device=device)
     report = []
     for p, o in pairs:
         wp.advance_to(p)
         wo.advance_to(o)
-        blk = wp.blocks[p]
-        moved = {}
-        rows = torch.zeros((), dtype=torch.float64, device=dev)
-        for g, names in enumerate(GROUPS):
-            lins = [blk.get_submodule(n) for n in names]
-            Ws = [lin.weight.detach().double() for lin in lins]
-            d_in = lins[0].in_features
-            G = torch.zeros(d_in, d_in, dtype=torch.float64, device=dev)
-            C = [torch.zeros(d_in, W.shape[0], dtype=torch.float64, device=dev) for W in Ws]
-            for b in range(len(wp.h)):  # statistics per batch: memory bounded by one batch's rows
-                ref, mine = wo.taps(b, g), wp.taps(b, g)
-                Xp = mine[(g, "x")]
-                G += Xp.T @ Xp
-                if g == 0:
-                    rows += Xp.shape[0]
-                for i, W in enumerate(Ws):
-                    Z = ref[(g, "x")] @ W.T
-                    if g in WRITES:  # the block's output should match the original's: carry the stream's drift
-                        drift = ref[WRITES[g]] - mine[WRITES[g]]
-                        norm = _post_norm(blk, g)
-                        Z = Z + drift if norm is None else _norm_target(norm, ref[(g, "n")] + drift, Xp @ W.T)
-                    C[i] += Xp.T @ Z
-            if reduce is not None:  # one sum over ranks per group, after its pass
-                reduce([G, *C] + ([rows] if g == 0 else []))
-            if not rows > 0:
-                raise KeptFitError(f"block {o}: no calibration tokens to re-fit it on")
-            lam = damping * G.diagonal().mean()
-            chol = torch.linalg.cholesky(G + lam * torch.eye(G.shape[0], dtype=G.dtype, device=G.device))
-            for name, lin, W, Ci in zip(names, lins, Ws, C):
-                W_new = torch.cholesky_solve(Ci + lam * W.T, chol).T
-                moved[name] = float((W_new - W).norm() / W.norm())
-                lin.weight.copy_(W_new.to(lin.weight.dtype))
-        report.append({"block": o, "position": p, "relative_change": moved, "tokens": int(rows.item())})
+        with wp.block() as blk, wo.block() as ref_blk:
+            report.append(_fit_block(blk, ref_blk, wp, wo, damping, reduce, o, p))
+            _keep(pruned, p, blk)
         if progress is not None:
             progress(o)
     return report
+
+
+def _fit_block(blk, ref_blk, wp: Walk, wo: Walk, damping: float, reduce, o: int, p: int) -> dict:
+    """Re-fit ``blk`` (pruned position ``p``, its states in ``wp``) in place against the original's block ``o``
+    (``ref_blk``, states in ``wo``), group by group (the module doc's ridge regression)."""
+    dev = wp.device
+    moved = {}
+    rows = torch.zeros((), dtype=torch.float64, device=dev)
+    for g, names in enumerate(GROUPS):
+        lins = [blk.get_submodule(n) for n in names]
+        Ws = [lin.weight.detach().double() for lin in lins]
+        d_in = lins[0].in_features
+        G = torch.zeros(d_in, d_in, dtype=torch.float64, device=dev)
+        C = [torch.zeros(d_in, W.shape[0], dtype=torch.float64, device=dev) for W in Ws]
+        for b in range(len(wp.h)):  # statistics per batch: memory bounded by one batch's rows
+            ref, mine = wo.taps(ref_blk, b, g), wp.taps(blk, b, g)
+            Xp = mine[(g, "x")]
+            G += Xp.T @ Xp
+            if g == 0:
+                rows += Xp.shape[0]
+            for i, W in enumerate(Ws):
+                Z = ref[(g, "x")] @ W.T
+                if g in WRITES:  # the block's output should match the original's: carry the stream's drift
+                    drift = ref[WRITES[g]] - mine[WRITES[g]]
+                    norm = _post_norm(blk, g)
+                    Z = Z + drift if norm is None else _norm_target(norm, ref[(g, "n")] + drift, Xp @ W.T)
+                C[i] += Xp.T @ Z
+        if reduce is not None:  # one sum over ranks per group, after its pass
+            reduce([G, *C] + ([rows] if g == 0 else []))
+        if not rows > 0:
+            raise KeptFitError(f"block {o}: no calibration tokens to re-fit it on")
+        lam = damping * G.diagonal().mean()
+        chol = torch.linalg.cholesky(G + lam * torch.eye(G.shape[0], dtype=G.dtype, device=G.device))
+        for name, lin, W, Ci in zip(names, lins, Ws, C):
+            W_new = torch.cholesky_solve(Ci + lam * W.T, chol).T
+            moved[name] = float((W_new - W).norm() / W.norm())
+            lin.weight.copy_(W_new.to(lin.weight.dtype))
+    return {"block": o, "position": p, "relative_change": moved, "tokens": int(rows.item())}
+
+
+def _keep(model, p: int, blk) -> None:
+    """Onloaded, block ``p``'s re-fitted weights are kept (on the CPU, in the compute dtype) and put in place each
+    time the block is read (:meth:`~shift_lightning.placement.Onloaded.override`); in memory the block has them."""
+    pl = placement_of(model)
+    if pl.onloaded:
+        pl.override(pl.sources[p], {f"{n}.weight": blk.get_submodule(n).weight.detach().to("cpu", copy=True)
+                                    for n in LAYERS})
+
+
+def _snapshot(model, p: int):
+    """Block ``p``'s re-fittable weights as they are now (onloaded: what is put in place on reading, or None)."""
+    pl = placement_of(model)
+    if pl.onloaded:
+        return pl.overrides.get(pl.sources[p])
+    blk = decoder_layers(model)[p]
+    return {f"{n}.weight": blk.get_submodule(n).weight.detach().clone() for n in LAYERS}
+
+
+@torch.no_grad()
+def _restore(model, p: int, snap) -> None:
+    pl = placement_of(model)
+    if pl.onloaded:
+        pl.override(pl.sources[p], snap)
+        return
+    blk = decoder_layers(model)[p]
+    for name, w in snap.items():
+        blk.get_parameter(name).copy_(w)
 
 
 def refit_pairs(layers: list[int], n: int, k: int | str) -> list[tuple[int, int]]:
@@ -246,20 +320,46 @@ def refit_pairs(layers: list[int], n: int, k: int | str) -> list[tuple[int, int]
     return sorted({(pos[o], o) for end in ends for o in [o for o in keep if o >= end][:k]})
 
 
-def heldout_kl(model, windows, refs: dict, reduce=None) -> float:
-    """Mean next-token KL(original ‖ ``model``) over every real position of ``windows`` (``refs``: the original's
-    :func:`~shift_lightning.closeness.window_references` on them; across ranks, this rank's share and ``reduce``)."""
-    return window_closeness(model, windows.input_ids, windows.attention_mask, refs, reduce=reduce)[0]
+def references(walk: Walk, k: int) -> dict[int, TopK]:
+    """The (original) model's top-``k`` next-token distribution at every real position of each of ``walk``'s windows
+    (keyed by window), each block brought in once."""
+    out = {}
+    walk.to_head(lambda w, hidden, head, cap: out.__setitem__(w, topk_from_hidden(hidden, head, k, cap)))
+    return out
+
+
+def heldout_kl(walk: Walk, refs: dict[int, TopK], reduce=None) -> float:
+    """Mean next-token KL(original ‖ the walk's model) over every real position of its windows, run from where the
+    walk stands to the head (``refs``: :func:`references` of the original on the same windows; across ranks, this
+    rank's share and ``reduce``)."""
+    tot = torch.zeros(3, dtype=torch.float64, device=walk.device)  # Σ KL, Σ agreement, positions
+
+    def add(w, hidden, head, cap):
+        kl, agree = kl_top1_from_hidden(hidden, head, refs[w], cap)
+        n = torch.tensor(float(kl.numel()), dtype=torch.float64, device=kl.device)
+        tot.add_(torch.stack([kl.double().sum(), agree.double().sum(), n]).to(tot.device))
+
+    walk.to_head(add)
+    if reduce is not None:
+        reduce([tot])
+    if not tot[2] > 0:
+        raise KeptFitError("the re-fit's held-out check has no real positions to compare (every window empty)")
+    return (tot[0] / tot[2]).item()
 
 
 @torch.no_grad()
 def guarded_refit(pruned, original, windows, pairs: list[tuple[int, int]], damping: float, every: int = 4,
-                  topk: int = 64, progress=None, rank: int = 0, world: int = 1, reduce=None) -> dict:
+                  topk: int = 64, progress=None, rank: int = 0, world: int = 1, reduce=None, device=None) -> dict:
     """The re-fit with a do-no-harm check: every ``every``-th window is held out; block after block (in order,
     earlier kept re-fits in place), the block is re-fitted on the other windows and kept only if the model gets
     closer to the original on the held-out ones (mean KL over the original's top-``topk``); the kept blocks are
     then re-fitted on all windows. Returns ``{"heldout_kl": {"none": …, "<block>": …}, "kept": [blocks],
     "blocks": refit_kept's report}``.
+
+    Block-major in every placement (:class:`Walk`): the fitting windows walk both models up to each re-fitted block;
+    the held-out windows walk the pruned model once up to the first of them and, for each check, from there to the
+    head. Onloaded, ``original`` is a second skeleton over the same files (no copy of the model) and each block is
+    read when a walk reaches it.
 
     Across ``world`` ranks: ``windows`` are all of them (the same on every rank); the held-out split is made on
     them, then each part is shared out (rank ``r`` takes windows ``r, r + world, …`` of it, none repeated) and
@@ -279,37 +379,46 @@ def guarded_refit(pruned, original, windows, pairs: list[tuple[int, int]], dampi
 
     held = torch.arange(len(windows)) % every == every - 1
     fit, judge, mine = share(~held), share(held), share(torch.ones_like(held))
-    refs = window_references(original, judge.input_ids, judge.attention_mask, topk)
     blocks = decoder_layers(pruned)
     for p, o in pairs:
         check_block(blocks[p], f"block {o}")
-    best = heldout_kl(pruned, judge, refs, reduce)
+    refs = references(Walk(original, judge, device=device), topk)
+    jw = Walk(pruned, judge, pairs[0][0], device=device)  # the held-out windows, up to the first re-fitted block
+    best = heldout_kl(jw.fork(), refs, reduce)
+    wp, wo = Walk(pruned, fit, pairs[0][0], device=device), Walk(original, fit, pairs[0][1], device=device)
     scores, kept, saved = {"none": best}, [], {}
     for p, o in pairs:
-        before = {n: blocks[p].get_submodule(n).weight.detach().clone() for n in LAYERS}
-        refit_kept(pruned, original, fit, [(p, o)], damping, reduce=reduce)
-        scores[str(o)] = kl = heldout_kl(pruned, judge, refs, reduce)
+        before = _snapshot(pruned, p)
+        wp.advance_to(p)
+        wo.advance_to(o)
+        jw.advance_to(p)
+        with wp.block() as blk, wo.block() as ref_blk:
+            _fit_block(blk, ref_blk, wp, wo, damping, reduce, o, p)
+            _keep(pruned, p, blk)
+        scores[str(o)] = kl = heldout_kl(jw.fork(), refs, reduce)
         if kl < best:
             best, saved[(p, o)] = kl, before
             kept.append((p, o))
         else:
-            for n, w in before.items():
-                blocks[p].get_submodule(n).weight.copy_(w)
+            _restore(pruned, p, before)
         if progress is not None:
             progress(o, kl, kl == best)
+    del wp, wo, jw
     for (p, _), before in saved.items():  # the kept blocks again, from their own weights, on all windows
-        for n, w in before.items():
-            blocks[p].get_submodule(n).weight.copy_(w)
+        _restore(pruned, p, before)
     return {"heldout_kl": scores, "kept": [o for _, o in kept],
-            "blocks": refit_kept(pruned, original, mine, kept, damping, reduce=reduce)}
+            "blocks": refit_kept(pruned, original, mine, kept, damping, reduce=reduce, device=device)}
 
 
 def kept_tensors(model, positions: list[int]) -> dict[str, torch.Tensor]:
     """The re-fitted layers of the pruned blocks at ``positions``, keyed ``kept.<position>.<layer>.weight`` (what
     an adapter-only folder stores besides its adapters)."""
-    blocks = decoder_layers(model)
-    return {f"kept.{p}.{n}.weight": blocks[p].get_submodule(n).weight.detach().contiguous().cpu()
-            for p in positions for n in LAYERS}
+    pl, out = placement_of(model), {}
+    for p in positions:
+        with pl.block(model, p) as blk:
+            out.update({f"kept.{p}.{n}.weight": blk.get_submodule(n).weight.detach().contiguous().cpu()
+                        for n in LAYERS})
+    return out
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ onloaded model is a skeleton whose blocks are meta until a placement brings them
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import functools
 import json
@@ -81,6 +82,7 @@ class Onloaded:
         self._open: dict[str, object] = {}
         self._loaded: dict[int, set[str]] = {}
         self.folds: dict[str, list] = {}
+        self.overrides: dict[str, dict[str, torch.Tensor]] = {}
         self.bytes_read = 0
         self.model = None  # a weak reference to the skeleton (its tied head is tied again after a release)
 
@@ -146,11 +148,23 @@ class Onloaded:
                 set_module_tensor_to_device(module, name, device)
         for fold in self.folds.get(prefix, []):
             fold(module)
+        with torch.no_grad():
+            for name, t in self.overrides.get(prefix, {}).items():
+                module.get_parameter(name).copy_(t)
 
     def after_load(self, prefix: str, fold) -> None:
         """Run ``fold(module)`` each time the piece stored under ``prefix`` is read (a weight fold surgery applied
         to the skeleton, where it changed nothing: ReplaceMe's map or the stock repair in a ``down_proj``)."""
         self.folds.setdefault(prefix, []).append(fold)
+
+    def override(self, prefix: str, tensors: dict[str, torch.Tensor] | None) -> None:
+        """Each time the piece under ``prefix`` is read, after its folds, its parameters ``tensors`` (names relative
+        to the piece) are these values (weights fitted during the run: the kept-block re-fit); None: read from the
+        files again."""
+        if tensors is None:
+            self.overrides.pop(prefix, None)
+        else:
+            self.overrides[prefix] = tensors
 
     def release(self, module: nn.Module) -> None:
         """Free what :meth:`load` read into ``module`` (back on the meta device); a tied head is tied again."""
@@ -284,7 +298,17 @@ def build_onloaded(folder: Path, dtype: torch.dtype, trust_remote_code: bool = F
     model.eval()
     model.shift_placement = Onloaded(folder, dtype, len(decoder_layers(model)))
     model.shift_placement.model = weakref.ref(model)
+    model.shift_placement.trust_remote_code = trust_remote_code
     return model
+
+
+def original_copy(model: nn.Module) -> nn.Module:
+    """``model`` as loaded, beside the one surgery changes (the kept-block re-fit's targets): in memory a deep copy
+    of its weights; onloaded another skeleton over the same files (nothing read, nothing copied)."""
+    pl = placement_of(model)
+    if not pl.onloaded:
+        return copy.deepcopy(model)
+    return build_onloaded(pl.folder, pl.dtype, pl.trust_remote_code)
 
 
 def _ties(model: nn.Module) -> bool:

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import time
@@ -32,7 +31,7 @@ from ..models import ModelConfig, num_params
 from ..evaluation.heldout import HeldoutCloseness
 from ..fingerprints import weights_fingerprint
 from ..outputs import prepare_output, publish_dir
-from ..placement import placement_of
+from ..placement import original_copy, placement_of
 from ..progress import with_stage_progress
 from ..reports import CalibrationReport
 from ..stopping import with_signal_guard
@@ -95,9 +94,6 @@ def check_onloadable(prune: PruneConfig, calibration: CalibrationConfig, evaluat
         what = "--calibration.mode auto" if calibration.mode == "auto" else "--calibration.solver guarded"
         raise ConfigError(f"{what} judges its maps by the logits of the whole model on held-out windows; onloaded, use "
                           f"--calibration.mode independent, sequential or anchored with another solver, {fix}")
-    if calibration.refit_kept:
-        raise ConfigError(f"--calibration.refit_kept re-fits kept blocks against a copy of the original model; "
-                          f"onloaded, set it to 0, {fix}")
     if evaluate is not None and (evaluate.tasks or evaluate.ppl):
         raise ConfigError("The evaluation after calibration runs the whole model; onloaded, switch it off "
                           "(--evaluate.ppl '' --evaluate.tasks '') and evaluate the saved folder with evaluate.py, "
@@ -223,7 +219,7 @@ def run_calibration(
     adapters = correction.adapters
     for note in correction.notes:
         log.warning(note)
-    original = copy.deepcopy(lm) if calibration.refit_kept and selection.layers else None
+    original = original_copy(lm) if calibration.refit_kept and selection.layers else None
     remove_blocks(lm, selection.layers)
     t_cal = time.time()
     if do_eval and evaluate_baselines:
@@ -236,7 +232,8 @@ def run_calibration(
         refit = guarded_refit(lm, original, windows, pairs, calibration.refit_damping, calibration.heldout_every,
                               calibration.guard_topk, progress=lambda o, kl, keep: log.info(
                                   "kept block %d re-fitted: held-out KL %.4f, %s", o, kl, "kept" if keep else "undone"),
-                              rank=dist.rank(), world=dist.world_size(), reduce=dist.all_reduce_flat)
+                              rank=dist.rank(), world=dist.world_size(), reduce=dist.all_reduce_flat,
+                              device=make_trainer().strategy.root_device if placement_of(lm).onloaded else None)
         del original
     t_fit = time.time()
     if do_eval:
