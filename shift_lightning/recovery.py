@@ -66,11 +66,14 @@ class RecoveryModule(L.LightningModule):
         if cfg.loss == "kd" and teacher is None:
             raise ConfigError("--recovery.loss kd needs the original model's distributions on the training windows, "
                               "recorded from the unpruned model: a calibrated folder whose base model loads")
-        if cfg.method == "lra" and adapter_set(model) is None:
-            raise ConfigError("recovery.method='lra' needs a model with adapters (a calibrated folder)")
+        has_lras = adapter_set(model) is not None and bool(adapter_set(model).adapter_params())
+        if cfg.method == "lra" and not has_lras:  # none attached, or an empty set (stock: maps folded into weights)
+            raise ConfigError("recovery.method='lra' needs a model with adapters (a calibrated folder with LRAs); "
+                              "use recovery.method='lora' or 'partial'")
         self.train_lra = cfg.train_lra or cfg.method == "lra"
-        if self.train_lra and adapter_set(model) is None:
-            raise ConfigError("recovery.train_lra needs a model with adapters (a calibrated folder)")
+        if self.train_lra and not has_lras:
+            raise ConfigError("recovery.train_lra needs a model with adapters (a calibrated folder with LRAs); set "
+                              "recovery.train_lra=False (LoRA trains folded maps like any other weight)")
         self.pruned_layers, self.original_num_layers = pruned_layers or [], original_num_layers
         self.tokenizer = tokenizer  # plain attribute (ZeroShotAccuracy reads it)
         self.model = self._wrap(model)
