@@ -66,7 +66,7 @@ class RecoveryModule(L.LightningModule):
         if cfg.loss == "kd" and teacher is None:
             raise ConfigError("--recovery.loss kd needs the original model's distributions on the training windows, "
                               "recorded from the unpruned model: a calibrated folder whose base model loads")
-        has_lras = adapter_set(model) is not None and bool(adapter_set(model).adapter_params())
+        self.has_lras = has_lras = adapter_set(model) is not None and bool(adapter_set(model).adapter_params())
         if cfg.method == "lra" and not has_lras:  # none attached, or an empty set (stock: maps folded into weights)
             raise ConfigError("recovery.method='lra' needs a model with adapters (a calibrated folder with LRAs); "
                               "use recovery.method='lora' or 'partial'")
@@ -108,7 +108,7 @@ class RecoveryModule(L.LightningModule):
 
             lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                               target_modules=list(cfg.target_modules),
-                              exclude_modules=r".*shift_adapters.*" if adapter_set(model) is not None else None,
+                              exclude_modules=r".*shift_adapters.*" if self.has_lras else None,
                               modules_to_save=adapter_module_names(model) if self.train_lra else None,
                               task_type="CAUSAL_LM")
             with torch.random.fork_rng(devices=[]):  # LoRA's random init depends on the seed alone
