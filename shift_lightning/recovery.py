@@ -66,11 +66,14 @@ class RecoveryModule(L.LightningModule):
         if cfg.loss == "kd" and teacher is None:
             raise ConfigError("--recovery.loss kd needs the original model's distributions on the training windows, "
                               "recorded from the unpruned model: a calibrated folder whose base model loads")
-        if cfg.method == "lra" and adapter_set(model) is None:
-            raise ConfigError("recovery.method='lra' needs a model with adapters (a calibrated folder)")
+        self.has_lras = has_lras = adapter_set(model) is not None and bool(adapter_set(model).adapter_params())
+        if cfg.method == "lra" and not has_lras:  # none attached, or an empty set (stock: maps folded into weights)
+            raise ConfigError("recovery.method='lra' needs a model with adapters (a calibrated folder with LRAs); "
+                              "use recovery.method='lora' or 'partial'")
         self.train_lra = cfg.train_lra or cfg.method == "lra"
-        if self.train_lra and adapter_set(model) is None:
-            raise ConfigError("recovery.train_lra needs a model with adapters (a calibrated folder)")
+        if self.train_lra and not has_lras:
+            raise ConfigError("recovery.train_lra needs a model with adapters (a calibrated folder with LRAs); set "
+                              "recovery.train_lra=False (LoRA trains folded maps like any other weight)")
         self.pruned_layers, self.original_num_layers = pruned_layers or [], original_num_layers
         self.tokenizer = tokenizer  # plain attribute (ZeroShotAccuracy reads it)
         self.model = self._wrap(model)
@@ -105,7 +108,7 @@ class RecoveryModule(L.LightningModule):
 
             lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                               target_modules=list(cfg.target_modules),
-                              exclude_modules=r".*shift_adapters.*" if adapter_set(model) is not None else None,
+                              exclude_modules=r".*shift_adapters.*" if self.has_lras else None,
                               modules_to_save=adapter_module_names(model) if self.train_lra else None,
                               task_type="CAUSAL_LM")
             with torch.random.fork_rng(devices=[]):  # LoRA's random init depends on the seed alone

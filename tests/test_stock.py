@@ -24,6 +24,7 @@ from shift_lightning.recipes.calibrate import run_calibration
 from shift_lightning.surgery import apply_correction, remove_blocks
 
 from test_calibration import CORPUS
+from test_gguf import fake_llama_cpp  # noqa: F401 (the stand-in converter, a fixture)
 from test_peers import BlockTap, Linear, _rand, _windows
 
 
@@ -234,3 +235,127 @@ def test_stock_with_the_kept_block_refit_stays_a_plain_folder(tmp_path, monkeypa
     with torch.no_grad():
         mine, theirs, ref = (m(input_ids=ids, use_cache=False).logits for m in (loaded, hf, res.model))
     assert torch.equal(mine, theirs) and torch.equal(theirs, ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# The recipe end to end: stock repair + LoRA recovery -> a plain folder, a PEFT adapter on the stock base, GGUF
+# ------------------------------------------------------------------------------------------------
+def _stock_lora_args(out, *extra):
+    return ["--config", "tiny_lora.yaml", "--calibration.solver", "stock", "--output_dir", str(out),
+            "--zeroshot.tasks", "", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4",
+            "--trainer.logger.save_dir", str(out.parent / "runs"), *extra]
+
+
+@pytest.fixture(scope="module")
+def stock_lora(tmp_path_factory):
+    """``train.py --config tiny_lora.yaml --calibration.solver stock --recovery.train_lra false``: blocks 2-3 of a
+    6-block tiny Llama pruned, block 1's down_proj re-fitted, LoRA r=4 on attention + MLP for 4 steps."""
+    from shift_lightning.recipes import cli
+
+    out = tmp_path_factory.mktemp("stock_lora") / "out"
+    result = cli.train_main(_stock_lora_args(out, "--recovery.train_lra", "false"))
+    assert result.report.steps == 4
+    return out
+
+
+def test_stock_lora_training_exports_a_plain_folder_of_its_family(stock_lora):
+    from safetensors.torch import load_file
+
+    for folder in (stock_lora, stock_lora / "base"):
+        cfg = json.loads((folder / "config.json").read_text())
+        assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"], folder
+        assert "auto_map" not in cfg and cfg["num_hidden_layers"] == 4, folder
+        assert load_file(str(folder / "lra.safetensors")) == {}  # every weight is in model.safetensors
+    assert not list(stock_lora.rglob("*.py"))  # no remote code anywhere in the export
+    spec = json.loads((stock_lora / "shift_config.json").read_text())
+    assert spec["correction"] == "stock" and spec["pruned_layers"] == [2, 3] and spec["recovered"] is True
+    report = json.loads((stock_lora / "recovery_report.json").read_text())
+    assert report["recovery"]["train_lra"] is False and report["trainable_params"] > 0
+
+
+def test_stock_lora_folder_loads_in_transformers_to_the_projects_logits_bit_for_bit(stock_lora):
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 5, 17, 42, 99, 3, 250, 7]])
+    mine, _ = load_pretrained(stock_lora)
+    theirs = AutoModelForCausalLM.from_pretrained(stock_lora)  # no trust_remote_code
+    base, _ = load_pretrained(stock_lora / "base")
+    with torch.no_grad():
+        a, b, c = (m(input_ids=ids, use_cache=False).logits for m in (mine, theirs, base))
+    assert type(theirs).__name__ == "LlamaForCausalLM"
+    assert torch.equal(a, b)
+    assert (a - c).abs().max() > 1e-4  # the merged LoRA changed the stock base: not the base compared with itself
+
+
+def test_stock_lora_peft_adapter_sits_on_the_plain_stock_base(stock_lora):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    lora, base_dir = stock_lora / "lora", stock_lora / "base"
+    cfg = json.loads((lora / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and not cfg["modules_to_save"]
+    assert cfg["base_model_name_or_path"] == str(base_dir.resolve())
+    assert (lora / "adapter_model.safetensors").is_file()
+    base = AutoModelForCausalLM.from_pretrained(base_dir)  # the stock base: plain too
+    assert type(base).__name__ == "LlamaForCausalLM" and base.config.num_hidden_layers == 4
+    ids = torch.tensor([[1, 5, 17, 42, 99, 3, 250, 7]])
+    merged, _ = load_pretrained(stock_lora)
+    with torch.no_grad():
+        want = merged(input_ids=ids, use_cache=False).logits
+        got = PeftModel.from_pretrained(base, lora)(input_ids=ids, use_cache=False).logits
+    assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_stock_lora_folder_exports_to_gguf_with_the_converter(stock_lora, tmp_path, fake_llama_cpp):
+    """The export's own checks (a plain folder, weights, tokenizer) pass and its layer metadata check agrees; the
+    converter is tests/test_gguf.py's stand-in (llama.cpp's own one: tests/test_llama_cpp.py, -m slow)."""
+    from shift_lightning.gguf import check_layer_metadata, export_gguf
+    from shift_lightning.recipes import gguf as recipe
+
+    out = export_gguf(stock_lora, tmp_path / "stock.q8_0.gguf", "q8_0", llama_cpp=fake_llama_cpp)
+    assert check_layer_metadata(out, 4, original_num_layers=6).block_count == 4
+    assert recipe.main(["--model", str(stock_lora / "base"), "--out", str(tmp_path / "base.gguf"),
+                        "--llama_cpp", str(fake_llama_cpp)]).is_file()
+
+
+def test_stock_lora_asked_to_train_the_maps_is_refused_before_any_pass_naming_the_fix(tmp_path, monkeypatch, capsys):
+    from shift_lightning.recipes import calibrate as C, cli, train as T
+    from shift_lightning.recovery import RecoveryConfig, RecoveryModule
+    from shift_lightning.surgery import attach_adapters
+
+    def never(*a, **k):
+        raise AssertionError("a model was loaded before the request was checked")
+
+    for mod in (C, T):
+        monkeypatch.setattr(mod, "load_pretrained", never)
+    out = tmp_path / "o"
+    for extra, fix in ([[], "set --recovery.train_lra false"],  # tiny_lora.yaml asks for train_lra: true
+                       [["--recovery.method", "lra"], "use --recovery.method lora or partial"]):
+        with pytest.raises(SystemExit) as e:
+            cli.train_main(_stock_lora_args(out, *extra))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: ") and "Traceback" not in err, err
+        line = err.splitlines()[0]
+        assert "--calibration.solver stock folds its maps into the model's existing weights" in line, line
+        assert fix in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, calibration, checkpoint or runs folder
+    model, _ = build_tiny_model("llama", num_hidden_layers=4)
+    attach_adapters(model, {})  # an injected stock model: an adapter set with nothing in it
+    with pytest.raises(ConfigError, match="recovery.train_lra needs a model with adapters"):
+        RecoveryModule(model, RecoveryConfig(train_lra=True))
+
+
+def test_a_calibrated_stock_folder_asked_to_train_the_maps_is_refused_before_loading(stock_lora, tmp_path, monkeypatch,
+                                                                                      capsys):
+    from shift_lightning.recipes import cli, train as T
+
+    def never(*a, **k):
+        raise AssertionError("a model was loaded before the request was checked")
+
+    monkeypatch.setattr(T, "load_pretrained", never)
+    cal = stock_lora.with_name(stock_lora.name + ".calibration")  # the stock job's own calibrated folder
+    with pytest.raises(SystemExit) as e:
+        cli.train_main(_stock_lora_args(tmp_path / "o", "--model.tiny", "null", "--model.name_or_path", str(cal)))
+    line = capsys.readouterr().err.splitlines()[0]
+    assert e.value.code == 2 and f"the calibrated folder {cal} holds none (correction stock)" in line, line
+    assert "set --recovery.train_lra false" in line and not list(tmp_path.iterdir())

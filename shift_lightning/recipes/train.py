@@ -248,6 +248,8 @@ class RecoveryRecipe:
             job.val.validate("--val", optional=True)
         if self.calibrating:
             check_early(job.calib["prune"], job.calib["data"], job.calib["calibration"], job.calib["heldout"])
+        check_maps_trainable(job.recovery, job.calib["calibration"].solver if self.calibrating else None,
+                             job.model.name_or_path if job.built is None and not self.calibrating else None)
         check_schedule(trainer, job.val)
         check_training(job.model if job.built is None else None, job.train_data, job.recovery)  # format, LoRA targets
         self.settings = run_settings(self._sections(), trainer)
@@ -423,6 +425,32 @@ def _recovery_spec(spec: dict, lm: nn.Module) -> dict:
     spec.setdefault("original_num_layers", len(decoder_layers(lm)))
     spec.setdefault("pruned_layers", [])
     return spec
+
+
+def check_maps_trainable(recovery: RecoveryConfig, solver: str | None = None, folder: str | None = None) -> None:
+    """Before any pass: ``--recovery.train_lra`` (and ``method: lra``) train the LRAs, which a solver that places its
+    maps elsewhere does not leave (``stock``: folded into the model's existing weights; ``replaceme``: on the MLP
+    branch), and a calibrated ``folder`` without adapters does not hold. One line naming the fix (the LoRA trains the
+    folded weights like any other weight). An injected model is checked by
+    :class:`~shift_lightning.recovery.RecoveryModule`."""
+    from ..calibration.solvers import SOLVERS
+
+    if not (recovery.train_lra or recovery.method == "lra"):
+        return
+    spec = read_shift_config(folder) if folder is not None else None
+    if solver is not None and SOLVERS[solver].placement != "adapter":
+        where = f"--calibration.solver {solver} " + ("folds its maps into the model's existing weights"
+                                                     if SOLVERS[solver].placement == "down" else
+                                                     "puts its maps on the MLP branch")
+    elif spec is not None and not spec.adapters:
+        where = f"the calibrated folder {folder} holds none (correction {spec.correction})"
+    else:
+        return
+    if recovery.method == "lra":
+        raise ConfigError(f"--recovery.method lra trains only the LRAs, but {where}: there are no LRA parameters; use "
+                          "--recovery.method lora or partial (they train the folded weights like any other weight)")
+    raise ConfigError(f"--recovery.train_lra true trains the LRAs, but {where}: there are no LRA parameters; set "
+                      "--recovery.train_lra false (the LoRA trains the folded weights like any other weight)")
 
 
 def check_schedule(trainer: L.Trainer, val: TextDataConfig | None) -> None:
