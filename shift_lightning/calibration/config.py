@@ -43,7 +43,8 @@ class CalibrationConfig:
     removed span and ReplaceMe's map on the branch before it, fitted together), ``nobias`` (y = x + xWᵀ, Ghosted
     Layers), ``replaceme`` / ``replaceme_cosine`` (ReplaceMe's map folded into the last kept block's MLP: least
     squares / its cosine objective), ``linearpatch`` (P = H D Hᵀ), ``guarded`` (per span, the map closest to the
-    original on held-out calibration windows). How it is fitted are the knobs below (``granularity``, ``mode``,
+    original on held-out calibration windows), ``stock`` (every map folded into weights the model has: a plain folder
+    of its family, for llama.cpp and vLLM). How it is fitted are the knobs below (``granularity``, ``mode``,
     ``rank``, ``guard_extra``); ``docs/configuration.md`` spells the retired names (``lra_span``, ``lra_auto``, …)
     with them."""
     mode: Literal["independent", "sequential", "anchored", "auto"] = "independent"
