@@ -104,8 +104,8 @@ class CalibrationConfig:
     top ``guard_topk``), then the kept ones are re-fitted on all windows. 0 (default): off. Llama layout only
     (Gemma3's norms between branch and stream are refused: measured to hurt). No parameters are added, but those
     blocks' weights change: a full save holds them, an adapter-only save (``train.py``'s) stores them beside the
-    adapters. With few windows, more blocks can overfit (SmolLM2, 64 windows: 3 kept of all 11 did best; 512
-    windows: all 11, ``docs/closeness.md``); the held-out check decides per block."""
+    adapters. With few windows, more blocks can overfit (``docs/results.md#the-kept-block-re-fit``); the held-out
+    check decides per block."""
     refit_damping: float = 0.1
     """The re-fit's relative damping δ towards each layer's own weights (λ = δ · mean diag(XᵀX))."""
 
