@@ -21,6 +21,7 @@ from shift_lightning.errors import ConfigError, ShiftError
 from shift_lightning.models import ModelConfig, build_tiny_model, load_model
 from shift_lightning.placement import Onloaded, placement_of, write_safetensors
 from shift_lightning.recipes.calibrate import run_calibration
+from test_gguf import fake_llama_cpp  # noqa: F401 (the stand-in converter, a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = str(ROOT / "tests" / "data" / "tiny_corpus.txt")
@@ -234,6 +235,18 @@ def test_onloaded_run_saves_the_same_folder(folders, tmp_path, family, solver):
     a, _ = load_pretrained(str(tmp_path / "mem"))
     b, _ = load_pretrained(str(tmp_path / "onl"))
     assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
+
+
+def test_an_onloaded_stock_folder_exports_to_gguf(folders, tmp_path, fake_llama_cpp):
+    """The stock repair with the kept-block re-fit, onloaded: the streamed folder is a plain Llama folder the GGUF
+    export takes (the converter is tests/test_gguf.py's stand-in; llama.cpp's own: -m slow)."""
+    from shift_lightning.gguf import check_layer_metadata, export_gguf
+
+    _run(folders["llama"], "onload", tmp_path / "onl", "stock", layers=(1, 3), refit_kept=1)
+    config = json.loads((tmp_path / "onl" / "config.json").read_text())
+    assert config["model_type"] == "llama" and "auto_map" not in config and config["num_hidden_layers"] == 4
+    out = export_gguf(tmp_path / "onl", tmp_path / "onl.f16.gguf", "f16", llama_cpp=fake_llama_cpp)
+    assert check_layer_metadata(out, 4, original_num_layers=6).block_count == 4
 
 
 def test_streamed_save_shards_a_large_model(folders, tmp_path):
