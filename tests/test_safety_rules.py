@@ -1,4 +1,4 @@
-"""Issue 57: nothing runs that should not, nothing the user made is lost, nothing silently wrong.
+"""Safety rules: nothing runs that should not, nothing the user made is lost, nothing silently wrong.
 
 One test per case (grouped where one rule covers several). The three rules:
 

@@ -287,6 +287,10 @@ def test_recipes_never_import_each_others_private_names(tmp_path, monkeypatch):
 LONG_MODULES = {
     "shift_lightning/evaluation/tasks.py": "the nine lm-evaluation-harness task definitions (prompts, choices, "
                                            "splits) and where their offline data comes from: one table of tasks",
+    "shift_lightning/keptfit.py": "the kept-block re-fit: its block-major walk (in every placement), the ridge fit "
+                                  "per group of linear layers and the held-out guard that keeps or undoes each block",
+    "shift_lightning/placement.py": "where the weights live (in memory, or onloaded block by block from the "
+                                    "safetensors files) and the streamed save that reads the same files",
     "shift_lightning/outputs.py": "every way a result reaches the disk (checked folders, atomic swaps, files published "
                                   "without replacing another run's) under one set of never-clobber rules",
 }
