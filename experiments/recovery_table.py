@@ -23,11 +23,27 @@ For each criterion, these runs with the same data, steps and seed:
     pruned + LRA* + LoRA (KD) as "pruned + LRA* + LoRA", distilled (opt-in: ``--runs '[lra_trained_lora_kd]'``)
     ========================  =========================================================
 
+With a folded repair (``--repair stock``: the maps live in existing weights, no adapter parameters) the
+``lra*`` runs start from the repaired model and train LoRA alone (``lra_lora*``; nothing else is trainable, so the
+``lra_trained*`` runs are refused). The grid's ``--grid.refit_kept k`` re-fits the first k kept blocks after each
+span once the repair is in place, as the paper grid's re-fit does (``results/paper_mixed_refit``), before training.
+
+The price after recovery: the same training from several repairs, one ``--out`` folder per repair (a run file is
+named by criterion and run, not by repair) under one parent, whose ``--render_only`` renders the table across them::
+
+    python -m experiments.recovery_table --repair stock --grid.refit_kept 2 --runs '[lra_lora_kd]'
+        --train_source mixed --steps 200 --grid.calib_source mixed --grid.out results/paper_mixed_refit
+        --out results/recovery_price/stock_refit2
+    python -m experiments.recovery_table --render_only --out results/recovery_price
+
 Each run logs to TensorBoard (``<out>/tb/<criterion>/<run>``: ``val/ppl`` and ``zeroshot/avg`` on a
 small fixed doc subset at step 0 and every validation) and is then evaluated like the paper grid's
 rows (:mod:`~experiments.reproduce`: the same seeded docs, the same perplexity windows)
-into ``<out>/<criterion>/<run>.json``; existing runs are skipped. The table lands in
-``<out>/recovery.{json,md}`` and the curves, read back from the event files, in ``<out>/curves.png``.
+into ``<out>/<criterion>/<run>.json``; existing runs are skipped. Its starting model (pruned, or with the repair in
+place) is evaluated the same way before training (``before``, once per starting model and process). The table lands in
+``<out>/recovery.{json,md}`` (KL, top-1, Avg and Robust before and after per run; a folder of older runs, made before
+``before`` was recorded, keeps its layout: the paper grid's untrained rows as the references) and the curves, read back
+from the event files, in ``<out>/curves.png``.
 """
 
 from __future__ import annotations
@@ -53,8 +69,9 @@ from shift_lightning.progress import StageProgress
 from shift_lightning.recovery import RecoveryConfig
 from shift_lightning.selection import select_blocks
 from shift_lightning.surgery import apply_correction, remove_blocks
+from shift_lightning.calibration import SOLVERS
 from experiments import harness, variants
-from experiments.reproduce import ReproduceConfig, eval_config
+from experiments.reproduce import ReproduceConfig, check_config, check_refit_layout, eval_config, refit_kept_blocks
 from experiments.tables import recovery as tables
 from experiments.tables.recovery import read_curves  # noqa: F401  (re-exported)
 from shift_lightning.recipes.train import run_training
@@ -121,15 +138,23 @@ class RecoveryTableConfig:
     out: str = "results/recovery"
     """Where the runs, the table and the plot go."""
     render_only: bool = False
-    """Only render the table and the plot from the runs on disk."""
+    """Only render the table and the plot from the runs on disk (a folder of such folders: the table across them)."""
     grid: ReproduceConfig = field(default_factory=ReproduceConfig)
     """The paper grid's settings: calibration budget, selection windows, zero-shot docs and perplexity
     windows (the table uses the same docs as results/paper)."""
 
 
-def labels(repair: str = "lra") -> dict[str, str]:
-    """Run -> label, naming the map when it is not the per-block LRA."""
-    return LABELS if repair == "lra" else {k: v.replace("LRA", repair) for k, v in LABELS.items()}
+def labels(repair: str = "lra", refit_kept: int | str = 0) -> dict[str, str]:
+    """Run -> label, naming the map when it is not the per-block LRA, and the kept-block re-fit when there is one."""
+    name = "LRA" if repair == "lra" else repair
+    if refit_kept:
+        name = f"{name} + re-fit of {refit_kept} kept blocks"
+    return LABELS if name == "LRA" else {k: v.replace("LRA", name) for k, v in LABELS.items()}
+
+
+def folded(repair: str) -> bool:
+    """Whether ``repair``'s maps are folded into existing weights (no adapter parameters to train)."""
+    return SOLVERS[variants.solver_of(repair)].placement != "adapter"
 
 
 def validate(cfg: RecoveryTableConfig) -> None:
@@ -139,13 +164,18 @@ def validate(cfg: RecoveryTableConfig) -> None:
     unknown = [r for r in cfg.runs if r not in RUNS]
     if unknown:
         raise ConfigError(f"--runs: unknown run(s) {unknown}; use any of {', '.join(RUNS)}")
+    trained = [r for r in cfg.runs if RUNS[r][1]]
+    if trained and folded(cfg.repair):
+        raise ConfigError(f"--repair {cfg.repair} folds its maps into existing weights: no map parameters to train in "
+                          f"{trained}; use the lra_lora* runs (the repair in place, LoRA trained)")
+    check_config(cfg.grid)
 
 
 def run(cfg: RecoveryTableConfig) -> Path:
     validate(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = labels(cfg.repair)
+    names = labels(cfg.repair, cfg.grid.refit_kept)
     if cfg.render_only:
         tables.render(out, cfg, names)
         return out
@@ -154,6 +184,7 @@ def run(cfg: RecoveryTableConfig) -> Path:
                             {"config": json.loads(json.dumps(asdict(cfg), default=str)), "command": rerun_command(cfg)},
                             g.text_source)
     base, tokenizer = ctx.model, ctx.tokenizer
+    check_refit_layout(g, base)
     curve = EvalConfig(tasks=ctx.eval_config.tasks, limit=cfg.curve_docs, sample_seed=g.sample_seed, progress=False,
                        max_batch_tokens=ctx.eval_config.max_batch_tokens, data_dir=g.eval_data_dir)
     train_data = TextDataConfig(source=cfg.train_source or g.text_source, num_samples=cfg.train_samples,
@@ -171,9 +202,11 @@ def run(cfg: RecoveryTableConfig) -> Path:
                                    CalibrationConfig(damping=g.damping, heldout_every=g.heldout_every,
                                                      mode=variants.mode_of(cfg.repair)),
                                    solvers=variants.knobs([cfg.repair]))
-        module.calibrate(ctx.make_trainer(), ctx.windows(g.calib_samples, g.seq_len, source=g.calib_source),
-                         ctx.windows(g.heldout_samples, g.seq_len, split="heldout"), batch_size=4)
+        calib = ctx.windows(g.calib_samples, g.seq_len, source=g.calib_source)
+        module.calibrate(ctx.make_trainer(), calib, ctx.windows(g.heldout_samples, g.seq_len, split="heldout"),
+                         batch_size=4)
         correction = module.correction(cfg.repair)
+        before: dict[bool, dict] = {}  # with the repair in place or not -> the starting model's evaluation
         for run_name in todo:
             name = run_name.split("/")[1]
             if runs.done(run_name):  # finished meanwhile by another process (--runs split)
@@ -181,8 +214,18 @@ def run(cfg: RecoveryTableConfig) -> Path:
             with_lra, train_lra, method, loss = RUNS[name]
             model = copy.deepcopy(base)
             remove_blocks(model, layers)
+            t0 = time.time()
+            refit = None
             if with_lra:
                 apply_correction(model, correction, n, layers)
+                if g.refit_kept:
+                    refit = refit_kept_blocks(g, base, model, layers, calib)
+            t_refit = time.time() - t0
+            t_before = None
+            if with_lra not in before:
+                t0 = time.time()
+                before[with_lra] = harness.row_doc(ctx.evaluate(model.eval()))
+                t_before = time.time() - t0
             spec = {"original_num_layers": n, "pruned_layers": layers, "criterion": crit,
                     "correction": cfg.repair if with_lra else "none"}
             rec = RecoveryConfig(method=method, train_lra=train_lra, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, loss=loss,
@@ -205,10 +248,14 @@ def run(cfg: RecoveryTableConfig) -> Path:
             res = ctx.evaluate(merged)
             doc = {"model": cfg.model, "criterion": crit, "run": name, "label": names[name],
                    "repair": cfg.repair if with_lra else None, "pruned_layers": layers,
+                   **({"refit": refit} if refit is not None else {}),
                    "recovery": asdict(rec), "steps": result.report.steps,
                    "trainable_params": result.report.trainable_params,
                    "loss_history": result.report.loss_history, **harness.row_doc(res),
-                   "seconds": {"train": t1 - t0, "evaluation": time.time() - t1},
+                   "before": before[with_lra],
+                   "seconds": {"train": t1 - t0, "evaluation": time.time() - t1,
+                               **({"refit": t_refit} if refit is not None else {}),
+                               **({"before_evaluation": t_before} if t_before is not None else {})},
                    "config": ctx.meta["config"], "command": ctx.meta["command"], "software": ctx.meta["software"]}
             runs.write(run_name, doc)
             log.info("%s %s: avg %.2f, wiki PPL %.3f (train %.0f s)", crit, name, 100 * res["average"],
@@ -225,7 +272,7 @@ def rerun_command(cfg: RecoveryTableConfig) -> str:
 
 
 def render(out: Path, cfg: RecoveryTableConfig) -> None:
-    tables.render(out, cfg, labels(cfg.repair))
+    tables.render(out, cfg, labels(cfg.repair, cfg.grid.refit_kept))
 
 
 def main(argv: list[str] | None = None):

@@ -216,11 +216,7 @@ def run(cfg: ReproduceConfig) -> Path:
         _copy_original(cfg, runs)
     ctx = harness.open_grid(cfg.model, cfg.tiny, cfg.device, lambda v, d: eval_config(cfg, v, d),
                             {"config": asdict(cfg), "command": rerun_command(cfg)}, cfg.text_source)
-    if cfg.refit_kept:  # the layout is the model's: refuse before any run
-        try:
-            check_block(decoder_layers(ctx.model)[0], f"--refit_kept: {cfg.model}'s blocks")
-        except KeptFitError as e:
-            raise ConfigError(str(e).replace("drop --calibration.refit_kept", "drop --refit_kept")) from e
+    check_refit_layout(cfg, ctx.model)
     if not runs.done("original") and cfg.fill != "closeness":
         t0 = time.time()
         res = ctx.evaluate(ctx.model)
@@ -422,6 +418,30 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
                  ", ".join(f"{k} {v:.3f}" for k, v in res.get("kl", {}).items()), time.time() - t1)
 
 
+def check_refit_layout(cfg: ReproduceConfig, model) -> None:
+    """With ``refit_kept``: refuse a model whose blocks the re-fit cannot take (the layout is the model's), before
+    any run."""
+    if not cfg.refit_kept:
+        return
+    try:
+        check_block(decoder_layers(model)[0], f"--refit_kept: {cfg.model}'s blocks")
+    except KeptFitError as e:
+        raise ConfigError(str(e).replace("drop --calibration.refit_kept", "drop --refit_kept")) from e
+
+
+def refit_kept_blocks(cfg: ReproduceConfig, original, model, layers: list[int], calib) -> dict:
+    """Re-fit the kept blocks of the pruned, corrected ``model`` in place as ``--calibration.refit_kept`` does (the
+    first ``cfg.refit_kept`` after each span of ``layers``, guarded, on the grid's calibration windows ``calib``,
+    judged against ``original``); returns what it tried and kept (a run file's ``refit``)."""
+    pairs = refit_pairs(layers, len(decoder_layers(original)), cfg.refit_kept)
+    rep = guarded_refit(model, original, calib, pairs, cfg.refit_damping, cfg.heldout_every,
+                        progress=lambda o, kl, keep: log.info("kept block %d re-fitted: held-out KL %.4f, %s", o,
+                                                              kl, "kept" if keep else "undone"))
+    log.info("re-fit of kept blocks %s: held-out KL %s, kept %s", [o for _, o in pairs],
+             {k: round(v, 4) for k, v in rep["heldout_kl"].items()}, rep["kept"])
+    return {"k": cfg.refit_kept, "damping": cfg.refit_damping, "tried": [o for _, o in pairs], **rep}
+
+
 @contextmanager
 def _refitted(cfg: ReproduceConfig, ctx: harness.GridContext, model, layers: list[int], calib):
     """The corrected ``model`` with its kept blocks re-fitted as ``--calibration.refit_kept`` does (guarded, on the
@@ -431,12 +451,7 @@ def _refitted(cfg: ReproduceConfig, ctx: harness.GridContext, model, layers: lis
     blocks = decoder_layers(model)
     saved = {(p, n): blocks[p].get_submodule(n).weight.detach().clone() for p, _ in pairs for n in LAYERS}
     try:
-        rep = guarded_refit(model, ctx.model, calib, pairs, cfg.refit_damping, cfg.heldout_every,
-                            progress=lambda o, kl, keep: log.info("kept block %d re-fitted: held-out KL %.4f, %s", o,
-                                                                  kl, "kept" if keep else "undone"))
-        log.info("re-fit of kept blocks %s: held-out KL %s, kept %s", [o for _, o in pairs],
-                 {k: round(v, 4) for k, v in rep["heldout_kl"].items()}, rep["kept"])
-        yield {"k": cfg.refit_kept, "damping": cfg.refit_damping, "tried": [o for _, o in pairs], **rep}
+        yield refit_kept_blocks(cfg, ctx.model, model, layers, calib)
     finally:
         with torch.no_grad():
             for (p, n), w in saved.items():
