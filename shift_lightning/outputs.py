@@ -164,6 +164,16 @@ def prepare_output(output_dir: str | Path | None, overwrite: bool = False,
     return out
 
 
+def _version() -> str:
+    """The installed shift-lightning's version (read from its metadata: the package root is not imported here)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shift-lightning")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _check_output(output_dir: str | Path | None, overwrite: bool = False,
                   inputs: dict[str, str | Path | None] | None = None) -> Path | None:
     if output_dir is None:
@@ -334,9 +344,7 @@ def publish_dir(output_dir: str | Path, write: Callable[[Path], None], kind: str
     try:
         write(tmp)
         _follow_umask(tmp)
-        from . import __version__
-
-        (tmp / MARKER).write_text(json.dumps({"written_by": "shift-lightning", "version": __version__,
+        (tmp / MARKER).write_text(json.dumps({"written_by": "shift-lightning", "version": _version(),
                                               "kind": kind, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                               "files": sorted(_entries(tmp)),
                                               "fingerprints": file_fingerprints(tmp, _entries(tmp))}) + "\n")

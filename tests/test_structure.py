@@ -15,10 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "shift_lightning"
 
 
-def _module_graph() -> dict[str, set[str]]:
+def _module_graph(pkg: Path = PKG) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, anywhere in it (top level, in functions, under TYPE_CHECKING).
+    Package ``__init__`` files are modules too: ``from .x import name`` points at ``x.name`` when that is a
+    submodule, else at ``x`` (a package's ``__init__`` when ``x`` is a package), so an import of a name defined in
+    an ``__init__`` (its parent's included) is an edge to that ``__init__``."""
     mods = {}
-    for f in PKG.rglob("*.py"):
-        rel = f.relative_to(ROOT).with_suffix("")
+    for f in pkg.rglob("*.py"):
+        rel = f.relative_to(pkg.parent).with_suffix("")
         parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
         mods[".".join(parts)] = f
     edges: dict[str, set[str]] = {m: set() for m in mods}
@@ -33,12 +37,10 @@ def _module_graph() -> dict[str, set[str]]:
                     target = ".".join(base + ([node.module] if node.module else []))
                 else:
                     target = node.module or ""
-                targets = [target] + [f"{target}.{a.name}" for a in node.names]
+                targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in mods else target for a in node.names]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            for t in targets:
-                if t in mods and t != m and not m.startswith(t + ".") and mods[t].name != "__init__.py":
-                    edges[m].add(t)
+            edges[m].update(t for t in targets if t in mods and t != m)
     return edges
 
 
@@ -75,6 +77,20 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     assert _cycles(_module_graph()) == []
+
+
+def test_cycle_detector_sees_cycles_through_init_files(tmp_path):
+    """A cycle through a package's ``__init__`` counts: an ``__init__`` importing a module lazily that imports a
+    name from the ``__init__`` back; a config importing a registry's ``__init__`` whose modules import the config
+    under TYPE_CHECKING (the two cycles the package had)."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("__version__ = '1'\ndef f():\n    from .a import g\n")
+    (pkg / "a.py").write_text("def g():\n    from . import __version__\n")
+    (pkg / "config.py").write_text("from .sub import REGISTRY\n")
+    (pkg / "sub" / "__init__.py").write_text("from . import b\nREGISTRY = {}\n")
+    (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..config import C\n")
+    assert sorted(_cycles(_module_graph(pkg))) == [["pkg", "pkg.a"], ["pkg.config", "pkg.sub", "pkg.sub.b"]]
 
 
 def test_cycle_detector_finds_a_cycle_hidden_in_a_function():

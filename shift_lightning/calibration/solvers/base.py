@@ -34,20 +34,34 @@ registry's names are the config's choices (``--help`` reads them without loading
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 from ...errors import ConfigError
 
 if TYPE_CHECKING:
     from ...stats import RidgeStats, Solution
     from ..collect import SiteStatistics
-    from ..config import CalibrationConfig
     from ..sites import Site
+
+
+class SolverSettings(Protocol):
+    """What a solver reads of the run's calibration settings (a
+    :class:`~shift_lightning.calibration.config.CalibrationConfig`; the solvers do not import the config, whose
+    ``--calibration.solver`` choices are read from their registry)."""
+
+    mode: str
+    granularity: str
+    rank: int | None
+    damping: float
+    guard_extra: list
+    guard_ranks: list[int] | None
+
+    def ridge_path(self) -> list[float]: ...
 
 
 class Solver:
     """Base class of every map (see the module doc). Subclasses set the class attributes and
-    implement :meth:`fit`; ``self.cfg`` is the run's :class:`CalibrationConfig`."""
+    implement :meth:`fit`; ``self.cfg`` is the run's settings (:class:`SolverSettings`)."""
 
     name: ClassVar[str] = ""
     """Registry name (``--calibration.solver``)."""
@@ -71,7 +85,7 @@ class Solver:
     """``--calibration.mode auto``: ``(name, granularity, mode)`` of each fit tried, in tie-breaking order (empty: the
     solver has no auto mode)."""
 
-    def __init__(self, cfg: CalibrationConfig, key: str | None = None):
+    def __init__(self, cfg: SolverSettings, key: str | None = None):
         self.cfg = cfg
         self.key = key or self.name
         """Where this fit's maps and reports are filed: the solver's name, or a grid's variant name."""
@@ -134,7 +148,7 @@ def register(cls: type[Solver]) -> type[Solver]:
     return cls
 
 
-def get_solver(name: str, cfg: CalibrationConfig, key: str | None = None) -> Solver:
+def get_solver(name: str, cfg: SolverSettings, key: str | None = None) -> Solver:
     """The solver registered as ``name``, configured by ``cfg`` (filed under ``key``, default its name)."""
     try:
         cls = SOLVERS[name]
