@@ -147,7 +147,8 @@ def run_calibration(
     extra_files: dict[str, Any] | None = None,
     command: str | None = None,
 ) -> CalibrationResult:
-    """Prune + calibrate; write the corrected model and ``calibration_report.json`` to ``output_dir``.
+    """Prune + calibrate; write the corrected model and ``calibration_report.json`` to ``output_dir``
+    (the steps: :class:`CalibrationRecipe`).
 
     ``built=(model, tokenizer)`` injects an already loaded model (tests, notebooks).
     ``evaluate`` (an :class:`~shift_lightning.evaluation.runner.EvalConfig` with tasks and/or
@@ -158,129 +159,222 @@ def run_calibration(
     ``trainer``: Trainer keyword arguments, or a built Trainer to run every pass on.
     ``command``: the command line that made the run (the model card quotes it).
     """
-    model_cfg, data = model or ModelConfig(), data or TextDataConfig(source=CALIBRATION_SOURCE)
-    heldout = heldout if heldout is not None else default_heldout()
-    prune, calibration = prune or PruneConfig(), calibration or CalibrationConfig()
-    if dist.launch_rank() == 0:
-        prepare_output(output_dir, overwrite, local_inputs(model_cfg if built is None else None, data=data,
-                                                           heldout=heldout))
-    check_early(prune, data, calibration, heldout)
-    if evaluate is not None:
-        evaluate.validate("--evaluate.", need_something=False)
-    t0 = time.time()
+    job = CalibrationJob(
+        model=model or ModelConfig(), data=data or TextDataConfig(source=CALIBRATION_SOURCE),
+        heldout=heldout if heldout is not None else default_heldout(), prune=prune or PruneConfig(),
+        calibration=calibration or CalibrationConfig(), trainer=trainer, output_dir=output_dir, overwrite=overwrite,
+        save_model=save_model, built=built, evaluate=evaluate, evaluate_baselines=evaluate_baselines,
+        resolved_config=resolved_config, extra_files=extra_files, command=command)
+    return CalibrationRecipe(job).run()
 
-    lm, tokenizer = built if built is not None else load_pretrained(model_cfg)
-    if tokenizer is None:
-        raise ConfigError("The model has no tokenizer; calibration needs one to tokenise the data")
-    if placement_of(lm).onloaded:
-        check_onloadable(prune, calibration, evaluate, save_model)
-    base_fingerprint = weights_fingerprint(lm) if save_model == "adapters" else None  # the base, as loaded
-    n_layers = len(decoder_layers(lm))
-    if prune.layers is not None:  # index checks need the model's depth, but not the data
-        check_layers(list(prune.layers), n_layers)
-    else:
-        num_to_remove(n_layers, prune.ratio)
-    model_type = lm.config.model_type
-    if calibration.refit_kept:  # the layout is the model's: refuse before any pass
-        check_block(decoder_layers(lm)[0], f"{model_type} blocks")
-    windows = build_windows(data, tokenizer, model_type, "--data")
-    heldout_windows = build_windows(heldout, tokenizer, model_type, "--heldout") \
-        if (calibration.heldout and heldout.num_samples > 0) else None
-    check_windows(lm, windows, "--data")  # before any pass
-    calibration.check_dim(lm.config.hidden_size, warn=False)  # errors now; the module warns
-    if heldout_windows is not None:
-        check_windows(lm, heldout_windows, "--heldout", fitting=False)
-    if evaluate is not None and evaluate.ppl:
-        check_seq_len(lm, evaluate.ppl_seq_len, "--evaluate.ppl_seq_len")
-    make_trainer = make_trainer_factory(trainer)
 
-    selection = select_blocks(prune, lm, windows, make_trainer)
-    if not selection.layers:
-        log.warning("No block selected for removal (ratio %.3f of %d blocks)", prune.ratio, n_layers)
-    t_sel = time.time()
-    do_eval = evaluate is not None and bool(evaluate.tasks or evaluate.ppl)
-    evals: dict[str, dict] = {}
-    scorer = ModelEvaluation(lm, tokenizer, evaluate, make_trainer) if do_eval else None
-    if do_eval and evaluate_baselines:  # the original's distributions are recorded in the same pass
-        evals["original"] = scorer("original", record=True)
-    elif do_eval:  # closeness of every later evaluation to the original
-        scorer.record_reference()
+@dataclass
+class CalibrationJob:
+    """What one calibration job is asked to do, defaults filled in (the arguments of :func:`run_calibration`)."""
 
-    params_before = num_params(lm)
-    module = CalibrationModule(lm, selection.layers, calibration, keep_statistics=False)
-    if selection.layers:
-        module.calibrate(make_trainer(), windows, heldout_windows, batch_size=data.batch_size, check=False)
-    module.drop_statistics()
-    correction = module.correction() if selection.layers else Correction(calibration.solver)
-    site_reports, span_reports = module.site_reports(), module.span_reports()
-    del module  # the solutions and per-site adapters (d² floats each): the correction holds the maps, the report the rest
-    closeness, t_close = heldout_report(lm, selection.layers, correction, make_trainer, heldout_windows,
-                                        heldout.batch_size)
-    adapters = correction.adapters
-    for note in correction.notes:
-        log.warning(note)
-    original = original_copy(lm) if calibration.refit_kept and selection.layers else None
-    remove_blocks(lm, selection.layers)
-    t_cal = time.time()
-    if do_eval and evaluate_baselines:
-        evals["pruned"] = scorer("pruned")
-    apply_correction(lm, correction, n_layers, selection.layers)
-    refit = None
-    if original is not None:  # windows shared out over ranks, statistics and scores summed: one result
-        pairs = refit_pairs(selection.layers, n_layers, calibration.refit_kept)
-        log.info("Re-fitting kept blocks %s (relative damping %g)", [o for _, o in pairs], calibration.refit_damping)
-        refit = guarded_refit(lm, original, windows, pairs, calibration.refit_damping, calibration.heldout_every,
-                              calibration.guard_topk, progress=lambda o, kl, keep: log.info(
-                                  "kept block %d re-fitted: held-out KL %.4f, %s", o, kl, "kept" if keep else "undone"),
-                              rank=dist.rank(), world=dist.world_size(), reduce=dist.all_reduce_flat,
-                              device=make_trainer().strategy.root_device if placement_of(lm).onloaded else None)
-        del original
-    t_fit = time.time()
-    if do_eval:
-        label = f"pruned+{calibration.solver}" + ("+refit" if refit and refit["kept"] else "")
-        evals[label] = scorer(label)
+    model: ModelConfig
+    data: TextDataConfig
+    heldout: TextDataConfig
+    prune: PruneConfig
+    calibration: CalibrationConfig
+    trainer: dict | L.Trainer | None = None
+    output_dir: str | None = None
+    overwrite: bool = False
+    save_model: bool | Literal["adapters"] = True
+    built: tuple | None = None
+    evaluate: Any = None
+    evaluate_baselines: bool = False
+    resolved_config: str | None = None
+    extra_files: dict[str, Any] | None = None
+    command: str | None = None
 
-    report = CalibrationReport(
-        model=model_cfg.name_or_path if model_cfg.tiny is None else {"tiny": model_cfg.tiny}, model_type=model_type,
-        original_num_layers=n_layers, pruned_layers=selection.layers, selection=selection.to_dict(),
-        calibration=asdict(calibration), data=asdict(data),
-        heldout_data=asdict(heldout) if heldout_windows is not None else None,
-        calibration_tokens=windows.num_tokens,
-        heldout_tokens=heldout_windows.num_tokens if heldout_windows is not None else 0,
-        world_size=dist.world_size(), sites=site_reports, spans=span_reports,
-        adapters=_adapter_table(n_layers, selection.layers, adapters), branch_maps=sorted(correction.branch_maps),
-        notes=correction.notes, params_before=params_before, params_after=num_params(lm),
-        seconds={"selection": t_sel - t0, "calibration": t_cal - t_sel - t_close,
-                 **({"heldout_closeness": t_close} if closeness else {}),
-                 **({"refit": t_fit - t_cal} if refit else {}), "total": time.time() - t0},
-        evaluation=evals or None, refit=refit, heldout_closeness=closeness)
-    if output_dir is not None and dist.rank() == 0:
-        spec = ShiftSpec(n_layers, selection.layers, base_model=report.model, criterion=selection.criterion,
-                         correction=calibration.solver, refit_blocks=refit_positions(refit),
-                         base_fingerprint=base_fingerprint)
 
-        card = CardFacts(command=command, calibration=report.to_dict())
+class CalibrationRecipe:
+    """One calibration job as named steps, run in this order by :meth:`run` (as :class:`RecoveryRecipe` runs
+    training):
+
+    ``setup``      every check before any pass: the output folder prepared (rank 0), the model loaded, the
+                   windows built and checked against it;
+    ``select``     the blocks to remove (``--prune.*``); the original evaluated or its distributions recorded when
+                   ``--evaluate`` asks;
+    ``calibrate``  the maps fitted (:class:`~shift_lightning.calibration.CalibrationModule`), an onloaded run's
+                   held-out report, the blocks removed and the maps put in place;
+    ``refit``      the guarded re-fit of the kept blocks (``--calibration.refit_kept``), then the evaluation;
+    ``report``     the :class:`~shift_lightning.reports.CalibrationReport`;
+    ``save``       rank 0 publishes ``<output_dir>``: the model (or its adapters), the report, ``config.yaml``.
+    """
+
+    def __init__(self, job: CalibrationJob):
+        self.job = job
+        self.seconds: dict[str, float] = {}  # step -> its seconds, evaluations apart ("evaluation")
+        self.evals: dict[str, dict] = {}
+
+    def run(self) -> CalibrationResult:
+        t0 = time.time()
+        for step in (self.setup, self.select, self.calibrate, self.refit):
+            t, before = time.time(), self.seconds.get("evaluation", 0.0)
+            step()
+            self.seconds[step.__name__] = time.time() - t - (self.seconds.get("evaluation", 0.0) - before)
+        report = self.report(time.time() - t0)
+        self.save(report)
+        dist.barrier()
+        job = self.job
+        return CalibrationResult(report, self.lm, self.tokenizer, Path(job.output_dir) if job.output_dir else None)
+
+    # ---------------------------------------------------------------- setup
+    def setup(self) -> None:
+        """Every check before any pass (cheap ones before the model is loaded)."""
+        job = self.job
+        if dist.launch_rank() == 0:
+            prepare_output(job.output_dir, job.overwrite, local_inputs(job.model if job.built is None else None,
+                                                                       data=job.data, heldout=job.heldout))
+        check_early(job.prune, job.data, job.calibration, job.heldout)
+        if job.evaluate is not None:
+            job.evaluate.validate("--evaluate.", need_something=False)
+        self.lm, self.tokenizer = job.built if job.built is not None else load_pretrained(job.model)
+        if self.tokenizer is None:
+            raise ConfigError("The model has no tokenizer; calibration needs one to tokenise the data")
+        self._check_model()
+        self._build_windows()
+        self.make_trainer = make_trainer_factory(job.trainer)
+
+    def _check_model(self) -> None:
+        job, lm = self.job, self.lm
+        if placement_of(lm).onloaded:
+            check_onloadable(job.prune, job.calibration, job.evaluate, job.save_model)
+        self.base_fingerprint = weights_fingerprint(lm) if job.save_model == "adapters" else None  # as loaded
+        self.n_layers = len(decoder_layers(lm))
+        if job.prune.layers is not None:  # index checks need the model's depth, but not the data
+            check_layers(list(job.prune.layers), self.n_layers)
+        else:
+            num_to_remove(self.n_layers, job.prune.ratio)
+        if job.calibration.refit_kept:  # the layout is the model's: refuse before any pass
+            check_block(decoder_layers(lm)[0], f"{lm.config.model_type} blocks")
+
+    def _build_windows(self) -> None:
+        job, lm, model_type = self.job, self.lm, self.lm.config.model_type
+        self.windows = build_windows(job.data, self.tokenizer, model_type, "--data")
+        self.heldout_windows = build_windows(job.heldout, self.tokenizer, model_type, "--heldout") \
+            if (job.calibration.heldout and job.heldout.num_samples > 0) else None
+        check_windows(lm, self.windows, "--data")  # before any pass
+        job.calibration.check_dim(lm.config.hidden_size, warn=False)  # errors now; the module warns
+        if self.heldout_windows is not None:
+            check_windows(lm, self.heldout_windows, "--heldout", fitting=False)
+        if job.evaluate is not None and job.evaluate.ppl:
+            check_seq_len(lm, job.evaluate.ppl_seq_len, "--evaluate.ppl_seq_len")
+
+    # ---------------------------------------------------------------- select
+    def select(self) -> None:
+        """The blocks to remove; the original's evaluation (or its recorded distributions) when asked."""
+        job = self.job
+        self.selection = select_blocks(job.prune, self.lm, self.windows, self.make_trainer)
+        if not self.selection.layers:
+            log.warning("No block selected for removal (ratio %.3f of %d blocks)", job.prune.ratio, self.n_layers)
+        ev = job.evaluate
+        self.scorer = ModelEvaluation(self.lm, self.tokenizer, ev, self.make_trainer) \
+            if ev is not None and bool(ev.tasks or ev.ppl) else None
+        if self.scorer is not None and job.evaluate_baselines:  # the original's distributions, in the same pass
+            self._evaluate("original", record=True)
+        elif self.scorer is not None:  # closeness of every later evaluation to the original
+            self.scorer.record_reference()
+
+    # ---------------------------------------------------------------- calibrate
+    def calibrate(self) -> None:
+        """The maps fitted on the windows, the blocks removed and the maps put in place."""
+        job, lm, layers = self.job, self.lm, self.selection.layers
+        self.params_before = num_params(lm)
+        module = CalibrationModule(lm, layers, job.calibration, keep_statistics=False)
+        if layers:
+            module.calibrate(self.make_trainer(), self.windows, self.heldout_windows, batch_size=job.data.batch_size,
+                             check=False)
+        module.drop_statistics()
+        self.correction = module.correction() if layers else Correction(job.calibration.solver)
+        self.site_reports, self.span_reports = module.site_reports(), module.span_reports()
+        del module  # the solutions and per-site adapters (d² floats each): the correction holds the maps
+        self.closeness, self.seconds["heldout_closeness"] = heldout_report(
+            lm, layers, self.correction, self.make_trainer, self.heldout_windows, job.heldout.batch_size)
+        for note in self.correction.notes:
+            log.warning(note)
+        self.original = original_copy(lm) if job.calibration.refit_kept and layers else None
+        remove_blocks(lm, layers)
+        if self.scorer is not None and job.evaluate_baselines:
+            self._evaluate("pruned")
+        apply_correction(lm, self.correction, self.n_layers, layers)
+
+    # ---------------------------------------------------------------- refit
+    def refit(self) -> None:
+        """The guarded re-fit of the kept blocks (windows shared out over ranks, statistics and scores summed: one
+        result), then the corrected model's evaluation."""
+        cal, lm = self.job.calibration, self.lm
+        self.refit_result = None
+        if self.original is not None:
+            pairs = refit_pairs(self.selection.layers, self.n_layers, cal.refit_kept)
+            log.info("Re-fitting kept blocks %s (relative damping %g)", [o for _, o in pairs], cal.refit_damping)
+            self.refit_result = guarded_refit(
+                lm, self.original, self.windows, pairs, cal.refit_damping, cal.heldout_every, cal.guard_topk,
+                progress=lambda o, kl, keep: log.info("kept block %d re-fitted: held-out KL %.4f, %s", o, kl,
+                                                      "kept" if keep else "undone"),
+                rank=dist.rank(), world=dist.world_size(), reduce=dist.all_reduce_flat,
+                device=self.make_trainer().strategy.root_device if placement_of(lm).onloaded else None)
+            self.original = None
+        if self.scorer is not None:
+            label = f"pruned+{cal.solver}" + ("+refit" if self.refit_result and self.refit_result["kept"] else "")
+            self._evaluate(label)
+
+    def _evaluate(self, label: str, record: bool = False) -> None:
+        t = time.time()
+        self.evals[label] = self.scorer(label, record=record)
+        self.seconds["evaluation"] = self.seconds.get("evaluation", 0.0) + time.time() - t
+
+    # ---------------------------------------------------------------- report
+    def report(self, total: float) -> CalibrationReport:
+        job, sel, s = self.job, self.selection, self.seconds
+        m, hw, refit = job.model, self.heldout_windows, self.refit_result
+        seconds = {"selection": s["setup"] + s["select"], "calibration": s["calibrate"] - s["heldout_closeness"],
+                   **({"heldout_closeness": s["heldout_closeness"]} if self.closeness else {}),
+                   **({"refit": s["refit"]} if refit else {}),
+                   **({"evaluation": s["evaluation"]} if "evaluation" in s else {}), "total": total}
+        return CalibrationReport(
+            model=m.name_or_path if m.tiny is None else {"tiny": m.tiny}, model_type=self.lm.config.model_type,
+            original_num_layers=self.n_layers, pruned_layers=sel.layers, selection=sel.to_dict(),
+            calibration=asdict(job.calibration), data=asdict(job.data),
+            heldout_data=asdict(job.heldout) if hw is not None else None, calibration_tokens=self.windows.num_tokens,
+            heldout_tokens=hw.num_tokens if hw is not None else 0, world_size=dist.world_size(),
+            sites=self.site_reports, spans=self.span_reports,
+            adapters=_adapter_table(self.n_layers, sel.layers, self.correction.adapters),
+            branch_maps=sorted(self.correction.branch_maps), notes=self.correction.notes,
+            params_before=self.params_before, params_after=num_params(self.lm), seconds=seconds,
+            evaluation=self.evals or None, refit=refit, heldout_closeness=self.closeness)
+
+    # ---------------------------------------------------------------- save
+    def save(self, report: CalibrationReport) -> None:
+        """Rank 0 publishes ``<output_dir>`` at once (nothing of a failed run is left there)."""
+        job = self.job
+        if job.output_dir is None or dist.rank() != 0:
+            return
+        sel, corr = self.selection, self.correction
+        spec = ShiftSpec(self.n_layers, sel.layers, base_model=report.model, criterion=sel.criterion,
+                         correction=job.calibration.solver, refit_blocks=refit_positions(self.refit_result),
+                         base_fingerprint=self.base_fingerprint)
+        card = CardFacts(command=job.command, calibration=report.to_dict())
 
         def write(tmp: Path):
-            if save_model == "adapters":
-                kept = [i for i in range(n_layers) if i not in set(selection.layers)]
-                save_adapters(lm, tokenizer, tmp, spec, asdict(model_cfg),
-                              {kept.index(i): T for i, T in correction.branch_maps.items()}, card=card,
-                              down={kept.index(i): wb for i, wb in correction.down_maps.items()},
-                              embedding=correction.embedding)
-            elif save_model:
-                save_pretrained(lm, tokenizer, tmp, spec, card=card)
-            for name, doc in (extra_files or {}).items():
+            if job.save_model == "adapters":
+                kept = [i for i in range(self.n_layers) if i not in set(sel.layers)]
+                save_adapters(self.lm, self.tokenizer, tmp, spec, asdict(job.model),
+                              {kept.index(i): T for i, T in corr.branch_maps.items()}, card=card,
+                              down={kept.index(i): wb for i, wb in corr.down_maps.items()}, embedding=corr.embedding)
+            elif job.save_model:
+                save_pretrained(self.lm, self.tokenizer, tmp, spec, card=card)
+            for name, doc in (job.extra_files or {}).items():
                 (tmp / name).write_text(json.dumps(doc, indent=2))
             (tmp / "calibration_report.json").write_text(json.dumps(report.to_dict(), indent=2))
             (tmp / "calibration_report.md").write_text(report.markdown())
-            if resolved_config:
-                (tmp / "config.yaml").write_text(resolved_config)
+            if job.resolved_config:
+                (tmp / "config.yaml").write_text(job.resolved_config)
 
-        publish_dir(output_dir, write, kind="calibration", overwrite=overwrite)
-        log.info("Wrote %s", output_dir)
-    dist.barrier()
-    return CalibrationResult(report, lm, tokenizer, Path(output_dir) if output_dir else None)
+        publish_dir(job.output_dir, write, kind="calibration", overwrite=job.overwrite)
+        log.info("Wrote %s", job.output_dir)
 
 
 def heldout_report(lm, removed: list[int], correction, make_trainer, windows, batch_size: int) -> tuple[dict | None, float]:
