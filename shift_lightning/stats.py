@@ -314,6 +314,34 @@ def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = Non
     group's coefficients only (the others refitted given them; module doc); ``U Vᵀ`` is then that
     ``(d_out, groups[0])`` block of ``W``.
     """
+    Sxx, Sxy, mx, my, n = _centred(stats, kind, bias, dtype)
+    if not (math.isfinite(damping) and damping > 0):  # the configs refuse it first; a direct call too
+        raise SolveError(f"{stats.name}: the relative damping must be a finite number > 0, got {damping}")
+    d = stats.dim
+    groups = groups or (d,)
+    if sum(groups) != d or min(groups) < 1:
+        raise ValueError(f"{stats.name}: feature groups {groups} do not partition {d} inputs")
+    lams = [damping * part.mean().clamp_min(1e-12) for part in Sxx.diagonal().split(list(groups))]
+    H = Sxx                                            # XcᵀXc + λI, in place (Sxx is not needed after)
+    H.diagonal().add_(torch.cat([lv.expand(n_) for lv, n_ in zip(lams, groups)]))
+    L, info = torch.linalg.cholesky_ex(H)
+    if info.item() != 0:
+        raise SolveError(
+            f"{stats.name}: Cholesky failed (XᵀX + λI not positive definite with relative damping {damping:g}, "
+            f"{int(n.item())} tokens). Increase --calibration.damping (e.g. {max(damping * 100, 1e-4):g}) or use "
+            "more calibration tokens."
+        )
+    B = torch.cholesky_solve(Sxy, L)                   # Wᵀ = (XᵀX + λI)⁻¹ XᵀΔ   (d, d_out)
+    U = V = None
+    if rank is not None and rank < groups[0]:          # the rank constrains B's first group's rows
+        B, U, V = _reduce_rank(B, H, Sxy, groups[0], rank)
+    W = B.T.contiguous()
+    b = my - W @ mx
+    return Solution(W, b, U, V, float(lams[0]), kind)
+
+def _centred(stats: RidgeStats, kind: str, bias: bool, dtype: torch.dtype):
+    """``(Sxx, Sxy, mean x, mean target, tokens)``: the site's statistics checked and centred (uncentred without
+    ``bias``), ``Sxx`` symmetrised; the target is Δ (``kind="residual"``) or ``x + Δ`` (``"affine"``)."""
     G, C, d = stats.G.to(dtype), stats.C.to(dtype), stats.dim
     if kind == "affine" and stats.out_dim != d:
         raise ValueError(f"{stats.name}: the affine kind needs targets as wide as the inputs")
@@ -333,40 +361,22 @@ def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = Non
     elif kind != "residual":
         raise ValueError(f"kind must be 'residual' or 'affine', got {kind!r}")
     Sxx = Sxx.add_(Sxx.T.contiguous()).mul_(0.5)     # symmetric (in place: one d² temporary, not two)
-    if not (math.isfinite(damping) and damping > 0):  # the configs refuse it first; a direct call too
-        raise SolveError(f"{stats.name}: the relative damping must be a finite number > 0, got {damping}")
-    diag = Sxx.diagonal()
-    if groups is None:
-        groups = (d,)
-    if sum(groups) != d or min(groups) < 1:
-        raise ValueError(f"{stats.name}: feature groups {groups} do not partition {d} inputs")
-    lams = [damping * part.mean().clamp_min(1e-12) for part in diag.split(list(groups))]
-    lam = lams[0]
-    H = Sxx                                            # XcᵀXc + λI, in place (Sxx is not needed after)
-    H.diagonal().add_(torch.cat([lv.expand(n_) for lv, n_ in zip(lams, groups)]))
-    L, info = torch.linalg.cholesky_ex(H)
-    if info.item() != 0:
-        raise SolveError(
-            f"{stats.name}: Cholesky failed (XᵀX + λI not positive definite with relative damping {damping:g}, "
-            f"{int(n.item())} tokens). Increase --calibration.damping (e.g. {max(damping * 100, 1e-4):g}) or use "
-            "more calibration tokens."
-        )
-    B = torch.cholesky_solve(Sxy, L)                   # Wᵀ = (XᵀX + λI)⁻¹ XᵀΔ   (d, d_out)
-    U = V = None
-    k = groups[0]                                      # the rank constrains these rows of B (all without groups)
-    if rank is not None and rank < k:
-        A = B[:k]
-        if k == d:
-            M = A.T @ Sxy                              # Aᵀ H A   (d_out, d_out), symmetric PSD
-        else:                                          # Aᵀ (H/H₂₂) A with the Schur complement H/H₂₂
-            L2 = torch.linalg.cholesky(H[k:, k:])
-            M = A.T @ (H[:k, :k] - H[:k, k:] @ torch.cholesky_solve(H[k:, :k], L2)) @ A
-        evals, evecs = torch.linalg.eigh(0.5 * (M + M.T))
-        Pr = evecs[:, -rank:]                          # top-r eigenvectors
-        U, V = Pr, A @ Pr                              # A' = V Prᵀ (W's first block = U Vᵀ)
-        A = V @ Pr.T
-        # the other groups refitted given A': B₂ = H₂₂⁻¹ (S₂ − H₂₁ A')
-        B = A if k == d else torch.cat([A, torch.cholesky_solve(Sxy[k:] - H[k:, :k] @ A, L2)])
-    W = B.T.contiguous()
-    b = my - W @ mx
-    return Solution(W, b, U, V, float(lam), kind)
+    return Sxx, Sxy, mx, my, n
+
+
+def _reduce_rank(B: torch.Tensor, H: torch.Tensor, Sxy: torch.Tensor, k: int, rank: int):
+    """The reduced-rank fit (module doc): ``B``'s first ``k`` rows ``A`` replaced by their best rank-``rank``
+    approximation in ``H``'s metric, ``A' = V Uᵀ``; the other rows refitted given ``A'``. Returns ``(B', U, V)``."""
+    A, d = B[:k], B.shape[0]
+    if k == d:
+        M = A.T @ Sxy                                  # Aᵀ H A   (d_out, d_out), symmetric PSD
+    else:                                              # Aᵀ (H/H₂₂) A with the Schur complement H/H₂₂
+        L2 = torch.linalg.cholesky(H[k:, k:])
+        M = A.T @ (H[:k, :k] - H[:k, k:] @ torch.cholesky_solve(H[k:, :k], L2)) @ A
+    evals, evecs = torch.linalg.eigh(0.5 * (M + M.T))
+    Pr = evecs[:, -rank:]                              # top-r eigenvectors
+    U, V = Pr, A @ Pr                                  # A' = V Prᵀ (W's first block = U Vᵀ)
+    A = V @ Pr.T
+    # the other groups refitted given A': B₂ = H₂₂⁻¹ (S₂ − H₂₁ A')
+    return (A if k == d else torch.cat([A, torch.cholesky_solve(Sxy[k:] - H[k:, :k] @ A, L2)])), U, V
+
