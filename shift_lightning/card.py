@@ -202,15 +202,48 @@ def model_card(spec: dict, model: nn.Module | None, facts: CardFacts | None = No
     base = base_model_info(spec.get("base_model") or cal.get("model"))
     n, removed = spec["original_num_layers"], spec["pruned_layers"]
     solver = spec.get("correction") or "none"
-    n_a, n_m, p = _params(model)
-    total = sum(t.numel() for t in model.parameters()) if model is not None else None
+    rows, n_adapters = _what_was_done(spec, model, facts, base)
+    short = base.hub_id.split("/")[-1] if base.hub_id else base.name.strip("`").split("`")[0]
+    title = title or f"{short}, {len(removed)} of {n} blocks removed" + (f", repaired: {solver}" if solver != "none" else "")
+    out = ["---", _yaml(_metadata(base, n_adapters)), "---", "", f"# {title[:1].upper() + title[1:]}", "",
+           f"{base.name[:1].upper() + base.name[1:]} with {len(removed)} of its {n} decoder blocks removed"
+           + (f" and repaired with {describe(solver)}" if solver != "none" else "")
+           + ", made with shift-lightning (SHIFT-LLM).", "",
+           "## What was done", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], "", "## Evaluation", ""]
+    evals = cal.get("evaluation") or {}
+    if evals:
+        out += ["Measured by the calibration run (zero-shot: lm-evaluation-harness 0.4.13 prompts and scoring; "
+                "closeness: next-token KL(original ‖ model) and top-1 agreement):", "", *evaluation_table(evals), ""]
+    rrows = _recovery_rows(rec)
+    if rrows:
+        out += ["Measured during recovery (validation windows; zero-shot on the configured doc subset):", "", *rrows, ""]
+    if not evals and not rrows:
+        out += ["This run measured no zero-shot accuracy, perplexity or closeness to the original. Evaluate it with "
+                "`python evaluate.py --model.name_or_path <this folder> …` or lm-evaluation-harness (below).", ""]
+    out += [*_use(loads_remotely), "## Runs in", "", runtimes(spec, model, loads_remotely), "", "## License", "",
+            f"Inherited from the base model: `{base.license}`." + (f" Note: {base.note}." if base.note else ""), ""]
+    return "\n".join(out)
+
+
+def _metadata(base, n_adapters: int) -> dict[str, Any]:
+    """The card's YAML header (license, base model, tags)."""
     meta: dict[str, Any] = {"license": base.license}
     if base.license == "other":
         meta["license_name"] = "base-model-license"
     if base.hub_id:
         meta["base_model"] = base.hub_id
     meta.update(library_name="transformers", pipeline_tag="text-generation",
-                tags=["shift-lightning", "depth-pruning", "pruned"] + (["linear-residual-adapter"] if n_a else []))
+                tags=["shift-lightning", "depth-pruning", "pruned"] + (["linear-residual-adapter"] if n_adapters else []))
+    return meta
+
+
+def _what_was_done(spec: dict, model, facts: CardFacts, base) -> tuple[list[tuple[str, str]], int]:
+    """The "What was done" table's rows, and the number of adapters."""
+    cal, rec = facts.calibration or {}, facts.recovery or {}
+    n, removed = spec["original_num_layers"], spec["pruned_layers"]
+    solver = spec.get("correction") or "none"
+    n_a, n_m, p = _params(model)
+    total = sum(t.numel() for t in model.parameters()) if model is not None else None
     repair = f"`{solver}`: {describe(solver)}"
     if n_a or n_m:
         repair += f"; {n_a} adapter(s)" + (f", {n_m} map(s) on a post-MLP norm" if n_m else "") + \
@@ -243,25 +276,13 @@ def model_card(spec: dict, model: nn.Module | None, facts: CardFacts | None = No
     if facts.role:
         rows.append(("this folder", facts.role))
     rows.append(("made by", f"`{facts.command}`" if facts.command else "Python (see `config.yaml` if present)"))
-    short = base.hub_id.split("/")[-1] if base.hub_id else base.name.strip("`").split("`")[0]
-    title = title or f"{short}, {len(removed)} of {n} blocks removed" + (f", repaired: {solver}" if solver != "none" else "")
-    out = ["---", _yaml(meta), "---", "", f"# {title[:1].upper() + title[1:]}", "",
-           f"{base.name[:1].upper() + base.name[1:]} with {len(removed)} of its {n} decoder blocks removed"
-           + (f" and repaired with {describe(solver)}" if solver != "none" else "")
-           + ", made with shift-lightning (SHIFT-LLM).", "",
-           "## What was done", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], "", "## Evaluation", ""]
-    evals = cal.get("evaluation") or {}
-    if evals:
-        out += ["Measured by the calibration run (zero-shot: lm-evaluation-harness 0.4.13 prompts and scoring; "
-                "closeness: next-token KL(original ‖ model) and top-1 agreement):", "", *evaluation_table(evals), ""]
-    rrows = _recovery_rows(rec)
-    if rrows:
-        out += ["Measured during recovery (validation windows; zero-shot on the configured doc subset):", "", *rrows, ""]
-    if not evals and not rrows:
-        out += ["This run measured no zero-shot accuracy, perplexity or closeness to the original. Evaluate it with "
-                "`python evaluate.py --model.name_or_path <this folder> …` or lm-evaluation-harness (below).", ""]
-    out += ["## Use", "", "```python", "import shift_lightning",
-            "model, tok = shift_lightning.load_pretrained(\"<this folder>\")   # no remote code", "```", ""]
+    return rows, n_a
+
+
+def _use(loads_remotely: bool) -> list[str]:
+    """The card's "Use" section."""
+    out = ["## Use", "", "```python", "import shift_lightning",
+           "model, tok = shift_lightning.load_pretrained(\"<this folder>\")   # no remote code", "```", ""]
     if loads_remotely:
         out += ["With transformers alone (runs this folder's `modeling_shift.py`):", "", "```python",
                 "from transformers import AutoModelForCausalLM, AutoTokenizer",
@@ -269,11 +290,8 @@ def model_card(spec: dict, model: nn.Module | None, facts: CardFacts | None = No
                 "tok = AutoTokenizer.from_pretrained(\"<this folder>\", trust_remote_code=True)", "```", "",
                 "Without `trust_remote_code=True` transformers refuses the folder: loaded as a stock model it would "
                 "lack its adapters.", ""]
-    out += ["lm-evaluation-harness: `python -m shift_lightning.lmeval --model shift --model_args "
-            "pretrained=<this folder> --tasks arc_easy`", "", "## Runs in", "", runtimes(spec, model, loads_remotely), "",
-            "## License", "",
-            f"Inherited from the base model: `{base.license}`." + (f" Note: {base.note}." if base.note else ""), ""]
-    return "\n".join(out)
+    return out + ["lm-evaluation-harness: `python -m shift_lightning.lmeval --model shift --model_args "
+                  "pretrained=<this folder> --tasks arc_easy`", ""]
 
 
 def runtimes(spec: dict, model, loads_remotely: bool) -> str:

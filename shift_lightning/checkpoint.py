@@ -290,9 +290,6 @@ def _read_weights(path: Path, spec: ShiftSpec) -> dict[str, torch.Tensor]:
 
 
 def _load_shift_folder(path: Path, dtype, device, trust: bool = False, accept_other_base: bool = False):
-    from transformers import AutoModelForCausalLM
-    from .remote_code import is_marked, load_tokenizer, plain_config
-
     spec = read_shift_config(path)
     adapter_only = spec.weights == "adapters"
     if not adapter_only:
@@ -302,27 +299,50 @@ def _load_shift_folder(path: Path, dtype, device, trust: bool = False, accept_ot
     if adapter_only:
         model, tokenizer = _rebuild_from_base(path, spec, dtype, trust, accept_other_base)
     else:
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        files = check_safetensors_files(path)
-        if not any(f.name != LRA_WEIGHTS for f in files.values()):
-            found = pickles_in(path)
-            raise SurgeryError(f"{path} holds no model.safetensors{f' (only {found}, which is never unpickled)' if found else ''}"
-                               "; the folder is damaged")
-        doc = read_json(path / "config.json")  # a marked folder: its stock config, none of its code
-        config = plain_config(doc) if is_marked(doc) else None
-        check_weight_shapes(path, files, config)  # an edited config.json: named before transformers re-initialises
-        with refusing_pickles(path):
-            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype or "auto",
-                                                         trust_remote_code=False, use_safetensors=True)
-        check_finite(model, path, files)
-        tokenizer = load_tokenizer(path, trust, **({"config": config} if config is not None else {})) \
-            if (path / "tokenizer_config.json").exists() else None
-    pdtype = next(model.parameters()).dtype
+        model, tokenizer = _load_full_folder(path, dtype, trust)
+    attach_adapters(model, _adapters(path, spec, weights, next(model.parameters()).dtype))
+    _fold_maps(model, path, spec, weights, adapter_only)
+    if adapter_only:  # last: a re-fitted block's weights are final (a map folded into it before the re-fit)
+        try:
+            put_kept_tensors(model, {k: t for k, t in weights.items() if k.startswith("kept.")})
+        except KeptFitError as e:
+            raise SurgeryError(f"{path / LRA_WEIGHTS}: {e}") from e
+    if device is not None:
+        model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def _load_full_folder(path: Path, dtype, trust: bool):
+    """A folder with the pruned model's weights: ``(model, tokenizer)`` through transformers, its checks first."""
+    from transformers import AutoModelForCausalLM
+    from .remote_code import is_marked, load_tokenizer, plain_config
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    files = check_safetensors_files(path)
+    if not any(f.name != LRA_WEIGHTS for f in files.values()):
+        found = pickles_in(path)
+        raise SurgeryError(f"{path} holds no model.safetensors{f' (only {found}, which is never unpickled)' if found else ''}"
+                           "; the folder is damaged")
+    doc = read_json(path / "config.json")  # a marked folder: its stock config, none of its code
+    config = plain_config(doc) if is_marked(doc) else None
+    check_weight_shapes(path, files, config)  # an edited config.json: named before transformers re-initialises
+    with refusing_pickles(path):
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype or "auto",
+                                                     trust_remote_code=False, use_safetensors=True)
+    check_finite(model, path, files)
+    tokenizer = load_tokenizer(path, trust, **({"config": config} if config is not None else {})) \
+        if (path / "tokenizer_config.json").exists() else None
+    return model, tokenizer
+
+
+def _adapters(path: Path, spec, weights: dict, dtype) -> dict[int, nn.Module]:
+    """The folder's adapters (pruned position -> module), built from their specs and loaded strictly."""
     adapters = {}
     for entry in spec.adapters:
         try:
-            chain = [LinearResidualAdapter(AdapterSpec(**s), dtype=pdtype) for s in entry["chain"]]
+            chain = [LinearResidualAdapter(AdapterSpec(**s), dtype=dtype) for s in entry["chain"]]
         except (TypeError, ValueError) as e:
             raise SurgeryError(f"{path / SHIFT_CONFIG}: bad adapter spec at position {entry['position']}: {e}") from e
         mod = chain[0] if len(chain) == 1 else nn.Sequential(*chain)
@@ -333,7 +353,12 @@ def _load_shift_folder(path: Path, dtype, device, trust: bool = False, accept_ot
         except RuntimeError as e:
             raise SurgeryError(f"{path / LRA_WEIGHTS}: adapter at position {key} does not match its spec: {e}") from e
         adapters[entry["position"]] = mod
-    attach_adapters(model, adapters)
+    return adapters
+
+
+def _fold_maps(model, path: Path, spec, weights: dict, adapter_only: bool) -> None:
+    """The maps stored apart from the weights folded in: ReplaceMe's branch maps (Gemma3's, after a post-MLP norm;
+    any in an adapter-only folder) and, in an adapter-only folder, the stock repair exactly as in memory."""
     blocks = decoder_layers(model)
     for b in spec.branch_maps:
         i = b["block"]
@@ -341,7 +366,7 @@ def _load_shift_folder(path: Path, dtype, device, trust: bool = False, accept_ot
         if not 0 <= i < len(blocks) or (not post_norm and not adapter_only):
             raise SurgeryError(f"{path / SHIFT_CONFIG}: MLP-branch map for block {i}, which has no post-MLP norm")
         fold_replaceme(blocks[i], weights[f"branch.{i}.weight"].to(torch.float64).T)
-    for f in spec.folds:  # adapter-only folders: the stock repair, folded again exactly as in memory
+    for f in spec.folds:
         if f["into"] == "embedding":
             fold_embedding(model, weights["fold.embedding.weight"], weights["fold.embedding.bias"])
         elif 0 <= f["block"] < len(blocks):
@@ -350,12 +375,3 @@ def _load_shift_folder(path: Path, dtype, device, trust: bool = False, accept_ot
         else:
             raise SurgeryError(f"{path / SHIFT_CONFIG}: a folded down_proj map for block {f['block']}, which the pruned "
                                f"model ({len(blocks)} blocks) does not have")
-    if adapter_only:  # last: a re-fitted block's weights are final (a map folded into it before the re-fit)
-        try:
-            put_kept_tensors(model, {k: t for k, t in weights.items() if k.startswith("kept.")})
-        except KeptFitError as e:
-            raise SurgeryError(f"{path / LRA_WEIGHTS}: {e}") from e
-    if device is not None:
-        model.to(device)
-    model.eval()
-    return model, tokenizer
