@@ -366,3 +366,18 @@ def test_the_docs_list_every_criterion():
     text = (ROOT / "docs" / "configuration.md").read_text()
     para = text.split("## `--prune.*`", 1)[1].split("##", 1)[0]
     assert {c for c in CRITERIA if f"`{c}`" not in para} == set()
+
+
+def _long_functions(pkg: Path = PKG, limit: int = 60) -> list[str]:
+    out = []
+    for f in sorted(pkg.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit:
+                out.append(f"{f.relative_to(pkg.parent).as_posix()}:{node.name}:{node.end_lineno - node.lineno + 1}")
+    return out
+
+
+def test_no_package_function_over_60_lines():
+    """Each step of a recipe, each solve, each loader reads on one screen (a long one is split into named steps)."""
+    assert _long_functions() == []
+    assert _long_functions(limit=10)  # the check sees the package's functions
