@@ -42,12 +42,12 @@ import bench_common as C
 import lightning as L
 import torch
 
-import shift_lightning.stats as calmod  # where the solvers take ridge_solve from (at call time)
+import shift_lightning.maps.ridge as calmod  # where the solvers take ridge_solve from (at call time)
 from shift_lightning.arch import block_input, block_output, decoder_layers
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.criteria import PruneConfig, RemovalPerplexity
 from shift_lightning.selection import run_scorer, select_blocks
-from shift_lightning.stats import ACCUM_SCHEMES, RidgeStats, resolve_accum, ridge_solve
+from shift_lightning.maps.ridge import ACCUM_SCHEMES, RidgeStats, resolve_accum, ridge_solve
 
 
 def make_trainer(dev: torch.device) -> L.Trainer:

@@ -1,9 +1,9 @@
 """The statistics' products: the one full GEMM against block-triangular products (:func:`gram_products`).
 
 Every batch of a calibration pass adds ``R[:, :p]ᵀ R`` to each site's master sums
-(:class:`shift_lightning.stats.RidgeStats`), with ``R = [x, 1, Δ]`` (the LRA, ``p = d + 1``) or
+(:class:`shift_lightning.maps.ridge.RidgeStats`), with ``R = [x, 1, Δ]`` (the LRA, ``p = d + 1``) or
 ``R = [x, m, 1, Δ]`` (the joint map, ``p = 2d + 1``). The Gram block ``(p, p)`` is symmetric, so
-:func:`~shift_lightning.stats.gram_products` (on CPU) multiplies only its upper block triangle: the columns ``[0, p)`` cut into ``k``
+:func:`~shift_lightning.maps.ridge.gram_products` (on CPU) multiplies only its upper block triangle: the columns ``[0, p)`` cut into ``k``
 row blocks, each multiplied against the columns from its own start on, the blocks below the diagonal
 mirrored — ``p²(k+1)/2k + p(q−p)`` products instead of ``pq`` (the joint map's 6d² a token about 4.4d² at
 d = 640 and 256-wide blocks, ``k = 5``). This times, interleaved, the full GEMM against it for several row-block widths, on random
@@ -23,7 +23,7 @@ import bench_common as C
 import torch
 
 from shift_lightning.outputs import write_text_atomic
-from shift_lightning.stats import GRAM_BLOCK, chunk_products, gram_products
+from shift_lightning.maps.ridge import GRAM_BLOCK, chunk_products, gram_products
 
 
 def main(argv=None):

@@ -43,10 +43,10 @@ from torch import nn
 from shift_lightning.arch import decoder_layers
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.criteria import PruneConfig
-from shift_lightning.lra import LinearResidualAdapter
+from shift_lightning.maps.lra import LinearResidualAdapter
 from shift_lightning.models import num_params
 from shift_lightning.selection import select_blocks
-from shift_lightning.surgery import attach_adapters, detach_adapters, remove_blocks
+from shift_lightning.maps.surgery import attach_adapters, detach_adapters, remove_blocks
 
 
 def make_trainer(dev):

@@ -473,7 +473,7 @@ def in_process(a, model_dir: Path) -> dict:
     from shift_lightning.data import TextDataConfig
     from shift_lightning.models import ModelConfig
     from shift_lightning.recipes.calibrate import run_calibration
-    from shift_lightning.surgery import adapter_set
+    from shift_lightning.maps.surgery import adapter_set
 
     dev = C.pick_device(a.device)
     cuda = dev.type == "cuda"

@@ -1,6 +1,6 @@
 """Ridge solve time vs hidden size: float64 vs float32, full rank vs reduced rank, CPU (and CUDA).
 
-The solve is :func:`shift_lightning.stats.ridge_solve` exactly as calibration calls it (centring,
+The solve is :func:`shift_lightning.maps.ridge.ridge_solve` exactly as calibration calls it (centring,
 relative damping, Cholesky, ``cholesky_solve`` for the d right-hand sides, and for rank r the
 ``eigh`` of ``Bᵀ H B``), on synthetic statistics of size d (a random symmetric positive definite
 ``XᵀX``; the cost does not depend on the values). Per site: about ``d³/3`` (Cholesky) + ``2d³``
@@ -22,7 +22,7 @@ from pathlib import Path
 import bench_common as C
 import torch
 
-from shift_lightning.stats import RidgeStats, ridge_solve
+from shift_lightning.maps.ridge import RidgeStats, ridge_solve
 
 
 def synthetic(d: int, dev, seed: int = 0) -> RidgeStats:

@@ -50,7 +50,7 @@ from shift_lightning.data import TokenWindows
 from experiments.trunk import TrunkCache
 from shift_lightning.models import num_params
 from shift_lightning.selection import select_blocks
-from shift_lightning.surgery import remove_blocks
+from shift_lightning.maps.surgery import remove_blocks
 from experiments import harness
 from experiments.reproduce import ReproduceConfig, eval_config
 from experiments.tables import ablations as tables

@@ -25,7 +25,7 @@ from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.criteria import REPAIR_AWARE, PruneConfig
 from experiments.trunk import TrunkCache
 from shift_lightning.selection import select_blocks
-from shift_lightning.surgery import remove_blocks
+from shift_lightning.maps.surgery import remove_blocks
 from experiments import harness, variants
 from experiments.reproduce import CRITERIA_ORDER, ReproduceConfig, eval_config
 from experiments.tables import sweep as tables

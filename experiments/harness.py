@@ -322,8 +322,8 @@ def add_closeness(ctx: GridContext, runs: RunFolder, name: str, res: dict) -> No
 def corrected(model: nn.Module, correction, num_layers: int, removed: list[int]) -> Iterator[nn.Module]:
     """``model`` (already pruned) with ``correction`` applied for the length of the ``with``;
     afterwards the adapters are detached and ReplaceMe's folded maps undone, exactly."""
-    from shift_lightning.peers import unfold_replaceme
-    from shift_lightning.surgery import apply_correction, detach_adapters
+    from shift_lightning.maps.peers import unfold_replaceme
+    from shift_lightning.maps.surgery import apply_correction, detach_adapters
 
     if correction is None:
         yield model

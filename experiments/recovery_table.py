@@ -68,8 +68,8 @@ from shift_lightning.evaluation.runner import EvalConfig
 from shift_lightning.progress import StageProgress
 from shift_lightning.recovery import RecoveryConfig
 from shift_lightning.selection import select_blocks
-from shift_lightning.surgery import apply_correction, remove_blocks
-from shift_lightning.calibration import SOLVERS
+from shift_lightning.maps.surgery import apply_correction, remove_blocks
+from shift_lightning.maps import SOLVERS
 from experiments import harness, variants
 from experiments.reproduce import ReproduceConfig, check_config, check_refit_layout, eval_config, refit_kept_blocks
 from experiments.tables import recovery as tables

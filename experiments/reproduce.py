@@ -23,7 +23,7 @@ rebuilt and its perplexity must match the stored one), or copied from such a cri
 same windows, and share every block before the first pruning site (run once for all variants,
 :class:`~experiments.trunk.TrunkCache`; no number changes). Tables are rendered after
 each run (:mod:`~experiments.tables.paper`). With ``--refit_kept k`` every map is followed by the
-main job's guarded kept-block re-fit (:func:`~shift_lightning.keptfit.guarded_refit`, on the same calibration
+main job's guarded kept-block re-fit (:func:`~shift_lightning.maps.keptfit.guarded_refit`, on the same calibration
 windows) before it is scored, and the run file records what the re-fit tried and kept (``refit``): a grid of its
 own (``--out``), whose rows the closeness tables read as one more calibration setting.
 """
@@ -42,18 +42,18 @@ import torch
 
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.calibration.auto import coinciding_fits
-from shift_lightning.calibration.solvers.ridge import LRA
+from shift_lightning.maps.solvers.ridge import LRA
 from shift_lightning.arch import decoder_layers
 from shift_lightning.criteria import REPAIR_AWARE, PruneConfig
 from shift_lightning.errors import ConfigError
 from shift_lightning.evaluation.runner import EvalConfig
 from shift_lightning.evaluation.tasks import DEFAULT_TASKS
 from experiments.trunk import TrunkCache
-from shift_lightning.keptfit import LAYERS, KeptFitError, check_block, guarded_refit, refit_pairs
+from shift_lightning.maps.keptfit import LAYERS, KeptFitError, check_block, guarded_refit, refit_pairs
 from shift_lightning.models import num_params
 from shift_lightning.outputs import prepare_file
 from shift_lightning.selection import select_blocks
-from shift_lightning.surgery import remove_blocks
+from shift_lightning.maps.surgery import remove_blocks
 from experiments import harness, variants
 from experiments.harness import resolve_device  # noqa: F401  (re-exported: the tests and GPU users call it)
 from experiments.tables import paper as tables

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from shift_lightning.calibration.collect import SiteStatistics
-from shift_lightning.calibration.solvers import Solver, register
-from shift_lightning.calibration.solvers.ridge import LRA
-from shift_lightning.stats import RidgeStats, Solution, SolveError, ridge_solve
+from shift_lightning.maps.solvers import Solver, register
+from shift_lightning.maps.solvers.ridge import LRA
+from shift_lightning.maps.ridge import RidgeStats, Solution, SolveError, ridge_solve
 
 
 @register

@@ -8,7 +8,7 @@ combinations; their maps under this spelling are the old ones exactly (``experim
 
 from __future__ import annotations
 
-from shift_lightning.calibration import SOLVERS
+from shift_lightning.maps import SOLVERS
 
 from . import solvers  # noqa: F401  (registers the grids' own solvers: affine, lra_guard)
 

@@ -30,7 +30,7 @@ HUB_LICENSES = (("HuggingFaceTB/SmolLM2", "apache-2.0"), ("google/gemma-3", "gem
 
 def describe(solver: str) -> str:
     """One line on what ``solver`` put in the model (the registry's description)."""
-    from .calibration.solvers import SOLVERS
+    from .maps.solvers import SOLVERS
 
     return "no repair" if solver == "none" else getattr(SOLVERS.get(solver), "description", "") or solver
 
@@ -142,7 +142,7 @@ def _yaml(meta: dict) -> str:
 
 def _params(model: nn.Module | None) -> tuple[int, int, int]:
     """(adapters, ReplaceMe maps kept as modules, their parameters) of ``model``."""
-    from .surgery import adapter_set, branch_maps
+    from .maps.surgery import adapter_set, branch_maps
 
     if model is None:
         return 0, 0, 0

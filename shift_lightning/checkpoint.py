@@ -35,11 +35,11 @@ from torch import nn
 
 from .arch import decoder_layers
 from .card import CardFacts, model_card
-from .keptfit import KeptFitError, kept_tensors, put_kept_tensors
-from .lra import AdapterSpec, LinearResidualAdapter
-from .peers import fold_replaceme
-from .surgery import SurgeryError, adapter_set, attach_adapters, branch_maps, fold_down, fold_embedding, remove_blocks
-from .record import FORMAT_VERSION, LRA_WEIGHTS, SHIFT_CONFIG, ShiftSpec  # noqa: F401  (re-exported)
+from .maps.keptfit import KeptFitError, kept_tensors, put_kept_tensors
+from .maps.lra import AdapterSpec, LinearResidualAdapter
+from .maps.peers import fold_replaceme
+from .maps.surgery import SurgeryError, adapter_set, attach_adapters, branch_maps, fold_down, fold_embedding, remove_blocks
+from .maps.record import FORMAT_VERSION, LRA_WEIGHTS, SHIFT_CONFIG, ShiftSpec  # noqa: F401  (re-exported)
 from .weightfiles import (check_finite, check_model_config, check_safetensors_files, check_weight_shapes, pickles_in,
                           refusing_pickles)
 

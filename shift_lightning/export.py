@@ -23,7 +23,7 @@ from torch import nn
 from .arch import base_model
 from .card import CardFacts, peft_card
 from .checkpoint import save_pretrained
-from .surgery import adapter_set
+from .maps.surgery import adapter_set
 
 BASE_DIR, LORA_DIR = "base", "lora"
 

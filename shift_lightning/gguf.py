@@ -96,7 +96,7 @@ def check_folder(folder: str | Path) -> dict:
         raise GGUFError(
             f"{folder} carries adapters (config.json model_type {doc.get('model_type')!r}, needs trust_remote_code): "
             "llama.cpp cannot run them; for a GGUF recalibrate with --calibration.solver stock (Llama-layout "
-            "families) or prune without repair (shift_lightning.surgery.remove_blocks, then save_pretrained)")
+            "families) or prune without repair (shift_lightning.maps.surgery.remove_blocks, then save_pretrained)")
     if not isinstance(doc.get("num_hidden_layers"), int):
         raise GGUFError(f"{cfg_file} has no integer num_hidden_layers; give a decoder-only causal LM folder")
     if not any((folder / f).is_file() for f in _TOKENIZER_FILES):

@@ -48,9 +48,9 @@ from .config import DEFAULT_TARGETS, RecoveryConfig  # noqa: F401 (re-exported)
 from .errors import ConfigError
 from .closeness import kd_loss_sum, kl_top1_from_hidden
 from .nll import lm_nll_sum
-from .calibration.sites import pruned_positions
+from .maps.sites import pruned_positions
 from .stepdata import RecoveryData, StepBatchSampler  # noqa: F401 (re-exported)
-from .surgery import adapter_module_names, adapter_set
+from .maps.surgery import adapter_module_names, adapter_set
 
 class RecoveryModule(L.LightningModule):
     """Fine-tunes a corrected model; see the module docstring for what it logs and checkpoints."""

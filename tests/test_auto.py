@@ -11,14 +11,14 @@ import torch
 from torch.testing import assert_close
 
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule
-from shift_lightning.calibration.maps import assemble
-from shift_lightning.calibration.solvers.joint import LRAReplaceMe
-from shift_lightning.calibration.solvers.ridge import LRA
+from shift_lightning.maps.fitted import assemble
+from shift_lightning.maps.solvers.joint import LRAReplaceMe
+from shift_lightning.maps.solvers.ridge import LRA
 from shift_lightning.data import TokenWindows
 from shift_lightning.errors import ConfigError
 from shift_lightning.closeness import kl_top1, topk_reference
 from shift_lightning.models import build_tiny_model
-from shift_lightning.surgery import apply_correction, remove_blocks
+from shift_lightning.maps.surgery import apply_correction, remove_blocks
 
 from test_peers import _trainer, _windows
 
@@ -99,7 +99,7 @@ def test_fits_that_coincide_for_the_removed_blocks_are_fitted_and_judged_once(re
     """The fits :func:`coinciding_fits` skips are the same maps when fitted (so the choice is unchanged),
     and ``mode: auto`` records which fit stood for which."""
     from shift_lightning.calibration.auto import coinciding_fits
-    from shift_lightning.calibration.sites import span_sites
+    from shift_lightning.maps.sites import span_sites
 
     assert coinciding_fits(LRA.fits, span_sites(removed)) == same
     if not same:
@@ -198,7 +198,7 @@ def test_joint_walks_that_coincide_are_fitted_and_judged_once(removed, same):
     """With one span the three walks of the joint map are one map (checked by fitting both); a span at block 0
     (no branch before it: the span LRA alone) is still judged as the walk it belongs to."""
     from shift_lightning.calibration.auto import coinciding_fits
-    from shift_lightning.calibration.sites import span_sites
+    from shift_lightning.maps.sites import span_sites
 
     assert coinciding_fits(LRAReplaceMe.fits, span_sites(removed)) == same
     model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)

@@ -21,8 +21,8 @@ from shift_lightning.data import DataError, TextDataConfig, TokenWindows, build_
 from shift_lightning.models import ModelConfig, build_tiny_model, decoder_layers
 from shift_lightning.outputs import OutputExistsError
 from shift_lightning.recipes.calibrate import run_calibration
-from shift_lightning.stats import SolveError
-from shift_lightning.surgery import attach_adapters, remove_blocks
+from shift_lightning.maps.ridge import SolveError
+from shift_lightning.maps.surgery import attach_adapters, remove_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = str(ROOT / "tests" / "data" / "tiny_corpus.txt")
@@ -158,9 +158,9 @@ def test_joint_map_sequential_and_anchored_see_the_corrected_model(family):
     ``[x, m]``. The first span sees no drift: every mode agrees there. Held-out errors on the fitting windows
     reproduce the fit's own."""
     from shift_lightning.arch import mlp_branch
-    from shift_lightning.calibration.solvers.joint import span_delta_map
-    from shift_lightning.stats import RidgeStats, ridge_solve
-    from shift_lightning.surgery import apply_correction
+    from shift_lightning.maps.solvers.joint import span_delta_map
+    from shift_lightning.maps.ridge import RidgeStats, ridge_solve
+    from shift_lightning.maps.surgery import apply_correction
 
     model, tok = build_tiny_model(family, num_hidden_layers=6, dtype=torch.float64, max_position_embeddings=512)
     win, d, damping = _windows(tok), model.config.hidden_size, 1e-3

@@ -68,12 +68,12 @@ def test_calibrate_errors_are_one_line(tmp_path, capsys):
 
 
 def test_failed_solve_is_one_line(tmp_path, capsys, monkeypatch):
-    from shift_lightning import stats
+    from shift_lightning.maps import ridge as stats
 
     def failing(*a, **k):
         raise stats.SolveError("site 0 (blocks 2..2): Cholesky failed; raise --calibration.damping")
 
-    monkeypatch.setattr(stats, "ridge_solve", failing)  # every solver takes it from stats when it solves
+    monkeypatch.setattr(stats, "ridge_solve", failing)  # every solver takes it from maps.ridge when it solves
     line = _one_line_error(cli.calibrate_main, ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"),
                                                 "--trainer.enable_progress_bar", "false"], capsys)
     assert "Cholesky failed; raise --calibration.damping" in line and not (tmp_path / "o").exists()

@@ -11,7 +11,7 @@ import torch
 from shift_lightning.evaluation.runner import EvalConfig, evaluate_model, make_evaluator, record_reference
 from shift_lightning.closeness import kd_loss_sum, kl_exact, kl_top1, topk_reference
 from shift_lightning.models import build_tiny_model
-from shift_lightning.surgery import remove_blocks
+from shift_lightning.maps.surgery import remove_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_DATA = ROOT / "tests" / "data" / "eval_tiny"

@@ -339,7 +339,7 @@ def test_linear_fit_costs_are_the_merged_maps_heldout_error(tiny, windows):
     # the choice is the brute-force minimum over every set of k blocks, scored span by span
     cost = {tuple(int(x) for x in key.split("-")): v for key, v in sel.details["span_costs"].items()}
     cost = {(a, b + 1): v for (a, b), v in cost.items()}
-    from shift_lightning.calibration import contiguous_spans
+    from shift_lightning.maps import contiguous_spans
 
     def total(blocks):
         return sum(cost[s] for s in contiguous_spans(list(blocks)))
@@ -368,7 +368,7 @@ def test_best_per_span_count_is_the_brute_force_minimum_for_each_count():
     import itertools
     import random as rnd
 
-    from shift_lightning.calibration import contiguous_spans
+    from shift_lightning.maps import contiguous_spans
     from shift_lightning.criteria import best_per_span_count, select_spans
 
     n_layers, k = 8, 4

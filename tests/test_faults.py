@@ -776,7 +776,7 @@ def test_an_adapter_only_folder_refuses_a_base_whose_weights_changed(tmp_path):
     from shift_lightning.data import TextDataConfig
     from shift_lightning.models import ModelConfig, build_tiny_model
     from shift_lightning.recipes.calibrate import run_calibration
-    from shift_lightning.surgery import SurgeryError
+    from shift_lightning.maps.surgery import SurgeryError
 
     base = tmp_path / "base"
     model, tok = build_tiny_model("llama", num_hidden_layers=4, seed=0)

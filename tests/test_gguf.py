@@ -18,10 +18,10 @@ from torch import nn
 from shift_lightning.checkpoint import save_adapters, save_pretrained
 from shift_lightning.gguf import GGUFError, check_layer_metadata, export_gguf
 from shift_lightning.errors import ConfigError, ShiftError
-from shift_lightning.lra import AdapterSpec, LinearResidualAdapter
+from shift_lightning.maps.lra import AdapterSpec, LinearResidualAdapter
 from shift_lightning.models import build_tiny_model
 from shift_lightning.recipes import gguf as recipe
-from shift_lightning.surgery import attach_adapters, remove_blocks
+from shift_lightning.maps.surgery import attach_adapters, remove_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = {"original_num_layers": 4, "pruned_layers": [2], "criterion": "explicit", "correction": "none"}

@@ -20,10 +20,10 @@ from shift_lightning import load_pretrained
 from shift_lightning.arch import decoder_layers
 from shift_lightning.calibration import CalibrationConfig
 from shift_lightning.checkpoint import save_pretrained
-from shift_lightning.lra import AdapterSpec, LinearResidualAdapter
+from shift_lightning.maps.lra import AdapterSpec, LinearResidualAdapter
 from shift_lightning.models import build_tiny_model
-from shift_lightning.peers import fold_replaceme
-from shift_lightning.surgery import attach_adapters, remove_blocks
+from shift_lightning.maps.peers import fold_replaceme
+from shift_lightning.maps.surgery import attach_adapters, remove_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_DATA = ROOT / "tests" / "data" / "eval_tiny"

@@ -1,4 +1,4 @@
-"""The kept-block re-fit (``--calibration.refit_kept``, :mod:`shift_lightning.keptfit`): its targets are the
+"""The kept-block re-fit (``--calibration.refit_kept``, :mod:`shift_lightning.maps.keptfit`): its targets are the
 original's, it brings the re-fitted block's output closer to the original's, and the main job saves and reloads
 what it fitted."""
 
@@ -17,10 +17,10 @@ from shift_lightning.calibration import CalibrationConfig
 from shift_lightning.criteria import PruneConfig
 from shift_lightning.data import TextDataConfig
 from shift_lightning.errors import ConfigError
-from shift_lightning.keptfit import KeptFitError, Walk, refit_kept, refit_pairs
+from shift_lightning.maps.keptfit import KeptFitError, Walk, refit_kept, refit_pairs
 from shift_lightning.models import ModelConfig, build_tiny_model
 from shift_lightning.recipes.calibrate import run_calibration
-from shift_lightning.surgery import apply_correction, remove_blocks
+from shift_lightning.maps.surgery import apply_correction, remove_blocks
 
 from test_calibration import CORPUS, HELDOUT
 from test_peers import _trainer, _windows
@@ -123,8 +123,8 @@ def test_adapter_only_folder_stores_the_refitted_blocks(tmp_path, monkeypatch):
     to the same logits — block 2 carries both a folded ReplaceMe map (before span [3]) and a re-fit (after span
     [1]), so the re-fitted weights must be put in place after the map is folded. A record that does not match the
     stored weights is refused."""
-    import shift_lightning.keptfit as K
-    from shift_lightning.surgery import SurgeryError
+    import shift_lightning.maps.keptfit as K
+    from shift_lightning.maps.surgery import SurgeryError
 
     scores = iter([1.0, 0.5, 0.4])  # both re-fits kept
     monkeypatch.setattr(K, "heldout_kl", lambda *a, **k: next(scores))
@@ -192,7 +192,7 @@ def test_guard_keeps_a_refit_only_if_it_is_closer_on_held_out_windows(monkeypatc
     """Two re-fitted blocks (spans [1] and [3] of 6): the judge's scores are scripted — block 2 closer (kept), block 4
     further (undone). Block 4's weights are then exactly the corrected model's, block 2's exactly a re-fit on all
     windows from its own weights; held-out scores are reported per block."""
-    import shift_lightning.keptfit as K
+    import shift_lightning.maps.keptfit as K
 
     model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
     win = _windows(tok, n=8)
@@ -220,7 +220,7 @@ def test_train_job_recovers_from_a_refitted_calibration(tmp_path, monkeypatch):
     model records the re-fitted positions."""
     import lightning as L
 
-    import shift_lightning.keptfit as K
+    import shift_lightning.maps.keptfit as K
     from shift_lightning.recipes.train import run_training
     from shift_lightning.recovery import RecoveryConfig
 

@@ -64,9 +64,9 @@ def test_a_folder_with_adapters_is_refused_by_the_check(check, tmp_path):
     """``--folder`` of a marked folder: the export refuses it in one line (nothing is converted)."""
     from shift_lightning.checkpoint import save_pretrained
     from shift_lightning.gguf import GGUFError
-    from shift_lightning.lra import AdapterSpec, LinearResidualAdapter
+    from shift_lightning.maps.lra import AdapterSpec, LinearResidualAdapter
     from shift_lightning.models import build_tiny_model
-    from shift_lightning.surgery import attach_adapters, remove_blocks
+    from shift_lightning.maps.surgery import attach_adapters, remove_blocks
 
     model, tok = build_tiny_model("llama", num_hidden_layers=4)
     remove_blocks(model, [2])

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from shift_lightning import load_pretrained
 from shift_lightning.data import DataError, TextDataConfig, load_texts
 from shift_lightning.models import ModelConfig, ModelLoadError, check_gguf, load_model
-from shift_lightning.surgery import SurgeryError
+from shift_lightning.maps.surgery import SurgeryError
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = str(ROOT / "tests" / "data" / "tiny_corpus.txt")
@@ -86,7 +86,7 @@ def test_duplicate_adapter_positions(saved, tmp_path):
 
 
 def test_adapter_dim_is_bounded_before_anything_is_allocated(saved, tmp_path, monkeypatch):
-    from shift_lightning import lra
+    from shift_lightning.maps import lra
 
     d = _copy(saved, tmp_path)
     _edit_json(d / "shift_config.json", lambda doc: doc["adapters"][0]["chain"][0].update(dim=10 ** 9))

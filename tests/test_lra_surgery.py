@@ -8,11 +8,11 @@ from torch import nn
 from torch.testing import assert_close
 
 from shift_lightning import load_pretrained
-from shift_lightning.lra import AdapterSpec, LinearResidualAdapter, merge_adapters
+from shift_lightning.maps.lra import AdapterSpec, LinearResidualAdapter, merge_adapters
 from shift_lightning.models import ModelLoadError, build_tiny_model, decoder_layers, load_model, ModelConfig
-from shift_lightning.calibration import contiguous_spans, pruned_positions
+from shift_lightning.maps import contiguous_spans, pruned_positions
 from shift_lightning.checkpoint import save_pretrained
-from shift_lightning.surgery import SurgeryError, attach_adapters, detach_adapters, remove_blocks
+from shift_lightning.maps.surgery import SurgeryError, attach_adapters, detach_adapters, remove_blocks
 
 D = 16
 
@@ -175,7 +175,7 @@ def test_peft_lora_trains_the_adapters_through_modules_to_save():
     the one the forward pass uses, and LoRA stays off the LRA's own linear layers."""
     from peft import LoraConfig, get_peft_model
 
-    from shift_lightning.surgery import adapter_module_names
+    from shift_lightning.maps.surgery import adapter_module_names
 
     model, tok = build_tiny_model("llama")
     remove_blocks(model, [2, 3])

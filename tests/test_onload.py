@@ -199,7 +199,7 @@ def test_onloaded_kept_block_refit_equals_in_memory(folders, tmp_path, monkeypat
     fitting and held-out windows walk both models block by block, a re-fitted block's weights are put in place each
     time it is read, and the streamed save writes them. The held-out judgements, what is kept, and the folder equal
     the in-memory run's, bit for bit. Scripted: every re-fit kept (block 2 carries a folded map and a re-fit)."""
-    import shift_lightning.keptfit as K
+    import shift_lightning.maps.keptfit as K
 
     if scripted:
         real = K.heldout_kl
@@ -255,7 +255,7 @@ def test_streamed_save_shards_a_large_model(folders, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from shift_lightning.placement import save_streamed
-    from shift_lightning.surgery import remove_blocks
+    from shift_lightning.maps.surgery import remove_blocks
 
     onl, _ = load_model(ModelConfig(name_or_path=str(folders["llama"]), placement="onload"))
     remove_blocks(onl, [2, 3])
@@ -381,7 +381,7 @@ def test_heldout_closeness_block_major_equals_full_forwards(folders, family, sol
     from shift_lightning.closeness import window_closeness, window_references
     from shift_lightning.evaluation.heldout import HeldoutCloseness
     from shift_lightning.nll import token_nll
-    from shift_lightning.surgery import apply_correction, remove_blocks
+    from shift_lightning.maps.surgery import apply_correction, remove_blocks
 
     mem, tok = load_model(ModelConfig(name_or_path=str(folders[family]), placement="memory"))
     w = build_windows(TextDataConfig(source=CORPUS, num_samples=8, seq_len=48), tok)

@@ -19,9 +19,9 @@ from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.data import TextDataConfig, build_windows
 from shift_lightning.errors import ConfigError
 from shift_lightning.models import build_tiny_model
-from shift_lightning.peers import fold_replaceme, hadamard, linearpatch_matrix
+from shift_lightning.maps.peers import fold_replaceme, hadamard, linearpatch_matrix
 from shift_lightning.checkpoint import save_pretrained
-from shift_lightning.surgery import apply_correction, remove_blocks
+from shift_lightning.maps.surgery import apply_correction, remove_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = str(ROOT / "tests" / "data" / "tiny_corpus.txt")
@@ -254,7 +254,7 @@ def test_low_rank_joint_map_recovers_a_low_rank_span_exactly_with_2dr_plus_d_par
     parameters), the branch map stays full; a span adding ``x A0ᵀ + m B0ᵀ + c0`` with rank(A0) = r is
     recovered exactly (the pruned, corrected model equals the original, saved and loaded), which the
     rank-r span LRA cannot do."""
-    from shift_lightning.lra import LinearResidualAdapter
+    from shift_lightning.maps.lra import LinearResidualAdapter
 
     r = 3
     model, tok = _joint_span_model(family, rank=r)
@@ -291,7 +291,7 @@ def test_a_site_with_joint_statistics_takes_its_io_from_them(tiny, holdout):
     """``io`` is not accumulated again where ``joint`` is (a block of it, copied out after the pass): the same
     sums as a pass that gathers ``io`` alone, held-out copies included, spans at block 0 (no joint) untouched."""
     from shift_lightning.calibration.collect import Collector, StopForward
-    from shift_lightning.calibration.sites import Site
+    from shift_lightning.maps.sites import Site
 
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
     win = _windows(tok, seq_len=512)
@@ -590,7 +590,7 @@ def test_guard_judge_runs_the_pruned_model_exactly(family):
         ref = topk_reference(ref_logits, 16)
         m = copy.deepcopy(model)
         remove_blocks(m, removed)
-        from shift_lightning.calibration.maps import assemble
+        from shift_lightning.maps.fitted import assemble
 
         apply_correction(m, assemble("x", list(maps.values()), 6, removed), 6, removed)
         with torch.no_grad():

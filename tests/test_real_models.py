@@ -16,7 +16,7 @@ from shift_lightning.selection import select_blocks
 from shift_lightning.data import TextDataConfig, build_windows, load_texts
 from shift_lightning.evaluation.perplexity import ppl_windows, window_nll
 from shift_lightning.checkpoint import save_pretrained
-from shift_lightning.surgery import attach_adapters, remove_blocks
+from shift_lightning.maps.surgery import attach_adapters, remove_blocks
 
 pytestmark = pytest.mark.slow
 

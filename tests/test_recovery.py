@@ -14,7 +14,7 @@ from shift_lightning.models import ModelConfig, decoder_layers
 from shift_lightning.recipes.calibrate import run_calibration
 from shift_lightning.recipes.train import run_training
 from shift_lightning.recovery import RecoveryConfig, RecoveryModule, base_model
-from shift_lightning.surgery import adapter_set
+from shift_lightning.maps.surgery import adapter_set
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = str(ROOT / "tests" / "data" / "tiny_corpus.txt")

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from shift_lightning.stats import RidgeStats, SolveError, ridge_solve
+from shift_lightning.maps.ridge import RidgeStats, SolveError, ridge_solve
 
 
 def _data(n=600, d=12, seed=0, outliers=True):
@@ -219,7 +219,7 @@ def test_errors_name_the_site_and_the_fix():
 
 
 def test_round_tf32_keeps_ten_mantissa_bits():
-    from shift_lightning.stats import round_tf32
+    from shift_lightning.maps.ridge import round_tf32
 
     x = torch.tensor([1.0 + 2 ** -10, 1.0 + 2 ** -11 + 2 ** -12, 1.0 + 2 ** -12, -3.0, 0.0])
     assert round_tf32(x).tolist() == [1.0 + 2 ** -10, 1.0 + 2 ** -10, 1.0, -3.0, 0.0]
@@ -229,7 +229,7 @@ def test_round_tf32_keeps_ten_mantissa_bits():
 
 
 def test_resolve_accum_per_device():
-    from shift_lightning.stats import resolve_accum
+    from shift_lightning.maps.ridge import resolve_accum
 
     assert resolve_accum("auto", "cpu", torch.bfloat16) == "float64"
     assert resolve_accum("auto", "cuda", torch.bfloat16) == "bfloat16"
@@ -260,7 +260,7 @@ def test_every_accumulation_scheme_is_close_to_float64(scheme, w_tol):
 def test_block_triangular_products_equal_the_one_gemm(scheme, p, block):
     """``gram_products`` multiplies only the upper block triangle of the symmetric Gram block; the sums are the
     one GEMM's (to rounding), the Gram block exactly symmetric between blocks."""
-    from shift_lightning.stats import chunk_products, gram_products
+    from shift_lightning.maps.ridge import chunk_products, gram_products
 
     g = torch.Generator().manual_seed(p + block)
     work = torch.float64 if scheme == "float64" else torch.float32
@@ -278,7 +278,7 @@ def test_block_triangular_products_equal_the_one_gemm(scheme, p, block):
 def test_statistics_wider_than_a_row_block_equal_direct_products():
     """At d = 400 (two row blocks of the CPU's block-triangular products) the sums are the direct ones, and an
     inf in the first block's columns is still caught (from the ones row, mirrored)."""
-    from shift_lightning.stats import GRAM_BLOCK
+    from shift_lightning.maps.ridge import GRAM_BLOCK
 
     d = 400
     assert round((d + 1) / GRAM_BLOCK) == 2
@@ -299,7 +299,7 @@ def test_statistics_wider_than_a_row_block_equal_direct_products():
 def test_gram_products_added_block_by_block_are_the_same_sums_bit_for_bit(p, q, scheme):
     """``add_gram_products`` adds each row block into ``G``/``C`` as it is computed (no ``(p, q)`` temporary): the
     same sums as ``G += P`` with ``P = gram_products(...)``, to the bit; a non-finite input adds nothing."""
-    from shift_lightning.stats import add_gram_products, gram_products
+    from shift_lightning.maps.ridge import add_gram_products, gram_products
 
     g = torch.Generator().manual_seed(p)
     R = torch.randn(300, q, generator=g, dtype=torch.float64 if scheme == "float64" else torch.float32)

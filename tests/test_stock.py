@@ -21,7 +21,7 @@ from shift_lightning.data import TextDataConfig
 from shift_lightning.errors import ConfigError
 from shift_lightning.models import ModelConfig, build_tiny_model
 from shift_lightning.recipes.calibrate import run_calibration
-from shift_lightning.surgery import apply_correction, remove_blocks
+from shift_lightning.maps.surgery import apply_correction, remove_blocks
 
 from test_calibration import CORPUS
 from test_gguf import fake_llama_cpp  # noqa: F401 (the stand-in converter, a fixture)
@@ -206,7 +206,7 @@ def test_stock_with_the_kept_block_refit_stays_a_plain_folder(tmp_path, monkeypa
     the kept block's own weights, so the folder is still a plain Llama folder — no ``auto_map``, no custom code,
     ``refit_blocks`` recorded — and ``AutoModelForCausalLM`` gives ``load_pretrained``'s logits, bit for bit,
     which are the in-memory model's. The re-fitted block differs from the same job without the re-fit."""
-    import shift_lightning.keptfit as K
+    import shift_lightning.maps.keptfit as K
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -321,7 +321,7 @@ def test_stock_lora_folder_exports_to_gguf_with_the_converter(stock_lora, tmp_pa
 def test_stock_lora_asked_to_train_the_maps_is_refused_before_any_pass_naming_the_fix(tmp_path, monkeypatch, capsys):
     from shift_lightning.recipes import calibrate as C, cli, train as T
     from shift_lightning.recovery import RecoveryConfig, RecoveryModule
-    from shift_lightning.surgery import attach_adapters
+    from shift_lightning.maps.surgery import attach_adapters
 
     def never(*a, **k):
         raise AssertionError("a model was loaded before the request was checked")

@@ -26,12 +26,12 @@ import _common as C
 import torch  # noqa: E402
 
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule  # noqa: E402
-from shift_lightning.calibration.sites import make_sites  # noqa: E402
+from shift_lightning.maps.sites import make_sites  # noqa: E402
 from shift_lightning.data import TextDataConfig, TokenWindows, build_windows  # noqa: E402
 from shift_lightning.closeness import window_closeness, window_references  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
 from experiments.tables.common import blocks_label  # noqa: E402
-from shift_lightning.surgery import apply_correction, remove_blocks  # noqa: E402
+from shift_lightning.maps.surgery import apply_correction, remove_blocks  # noqa: E402
 
 
 @torch.no_grad()

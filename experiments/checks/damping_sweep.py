@@ -24,7 +24,7 @@ from shift_lightning.data import TextDataConfig, build_windows, load_texts, want
 from shift_lightning.evaluation.perplexity import ppl_windows, window_nll
 from shift_lightning.models import ModelConfig, load_model
 from shift_lightning.outputs import prepare_file, write_json_atomic, write_text_atomic
-from shift_lightning.surgery import attach_adapters, remove_blocks
+from shift_lightning.maps.surgery import attach_adapters, remove_blocks
 
 
 def window_perplexity(model, windows) -> float:

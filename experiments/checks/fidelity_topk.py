@@ -28,7 +28,7 @@ from shift_lightning.data import TextDataConfig, build_windows  # noqa: E402
 from shift_lightning.closeness import kl_exact, kl_top1, lm_softcap, topk_reference  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
 from shift_lightning.selection import select_blocks  # noqa: E402
-from shift_lightning.surgery import apply_correction, remove_blocks  # noqa: E402
+from shift_lightning.maps.surgery import apply_correction, remove_blocks  # noqa: E402
 
 
 @torch.no_grad()

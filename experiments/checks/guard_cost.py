@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule  # noqa: E402
 from experiments import variants  # noqa: E402
-from shift_lightning.calibration.sites import make_sites  # noqa: E402
+from shift_lightning.maps.sites import make_sites  # noqa: E402
 from shift_lightning.criteria import PruneConfig  # noqa: E402
 from shift_lightning.data import TextDataConfig, build_windows  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from shift_lightning.arch import Bypass, swapped_blocks  # noqa: E402
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule  # noqa: E402
-from shift_lightning.calibration.maps import chain  # noqa: E402
+from shift_lightning.maps.fitted import chain  # noqa: E402
 from shift_lightning.criteria import PruneConfig  # noqa: E402
 from shift_lightning.data import TextDataConfig, build_windows  # noqa: E402
 from shift_lightning.closeness import kl_top1, lm_softcap, topk_reference  # noqa: E402

@@ -3,12 +3,12 @@ PPL, magnitude-L1 and -L2, where pruning alone is at 62–6e6), when its scaling
 
     python experiments/checks/linearpatch_check.py --model gemma3-270m --criterion ppl --out results/bench/linearpatch_check_gemma3-270m_ppl
 
-LinearPatch (:mod:`shift_lightning.peers`) applies ``P = H diag(s) Hᵀ`` at the pruning interface, ``s``
+LinearPatch (:mod:`shift_lightning.maps.peers`) applies ``P = H diag(s) Hᵀ`` at the pruning interface, ``s``
 the per-channel ratio of the span's output to its input magnitude in the Hadamard basis. For a
 residual stream whose energy sits in a few massive channels, every Hadamard coordinate carries those
 channels' ``±a/√d``, so a non-uniform ``s`` writes a fraction of ``a`` into every ordinary channel.
 Per span of the grid's blocks (``results/paper/<model>/<criterion>/selection.json``), on the same
-calibration windows as the grid (the library's own :class:`~shift_lightning.peers.ChannelScaleStats`):
+calibration windows as the grid (the library's own :class:`~shift_lightning.maps.peers.ChannelScaleStats`):
 the spread of ``s``; on held-out windows, the share of ``‖x‖²`` in the top-8 channels, and the
 patch's deviation from a uniform scaling on the other channels, ``‖(xP − s̄x)_rest‖``, against their
 own norm, with and without the top-8 channels in ``x``. Then held-out perplexity of the original, the
@@ -31,11 +31,11 @@ import _common as C
 import torch  # noqa: E402
 
 from shift_lightning.arch import block_input, block_output, decoder_layers, final_norm, with_block_input, with_block_output  # noqa: E402
-from shift_lightning.calibration.sites import contiguous_spans  # noqa: E402
+from shift_lightning.maps.sites import contiguous_spans  # noqa: E402
 from shift_lightning.data import TextDataConfig, build_windows  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
-from shift_lightning.peers import ChannelScaleStats, hadamard, linearpatch_matrix  # noqa: E402
-from shift_lightning.surgery import remove_blocks  # noqa: E402
+from shift_lightning.maps.peers import ChannelScaleStats, hadamard, linearpatch_matrix  # noqa: E402
+from shift_lightning.maps.surgery import remove_blocks  # noqa: E402
 
 
 def capture(model, idx: list[int]):

@@ -145,7 +145,7 @@ def make_folder(model: str, out: Path, layers: list[int] | None = None) -> tuple
     """Prune ``model`` (``smollm2-135m`` or ``tiny``) of ``layers`` without repair and save it at ``out``."""
     from shift_lightning.checkpoint import load_pretrained, save_pretrained
     from shift_lightning.models import build_tiny_model
-    from shift_lightning.surgery import remove_blocks
+    from shift_lightning.maps.surgery import remove_blocks
 
     if model == "tiny":
         _, tok = load_pretrained("smollm2-135m")  # the real tokenizer (and the vocabulary size below)

@@ -6,7 +6,7 @@
 ``--calibration.rank r`` makes the adapter after a span ``y = x + x V Uᵀ + b`` (``2dr + d`` parameters).
 The span LRA (``lra_span``) is then the optimal rank-r ridge fit on ``x``; the joint map constrains only
 its adapter half to rank r and refits ReplaceMe's branch half (folded into ``down_proj``: no parameters)
-given it (:func:`shift_lightning.stats.ridge_solve`). Both are solved here from ONE statistics pass
+given it (:func:`shift_lightning.maps.ridge.ridge_solve`). Both are solved here from ONE statistics pass
 (the real :class:`~shift_lightning.calibration.CalibrationModule`, each rank a re-solve of the same sums)
 and judged like the other checks: the grid's 64 × 512 mixed calibration windows, every 4th held out,
 fitted on 48 and judged on 16 by the mean next-token KL(original ‖ model) (the original's top-256, as the
@@ -30,7 +30,7 @@ from shift_lightning.calibration import CalibrationConfig, CalibrationModule  # 
 from experiments import variants  # noqa: E402
 from shift_lightning.models import num_params  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
-from shift_lightning.surgery import apply_correction, remove_blocks  # noqa: E402
+from shift_lightning.maps.surgery import apply_correction, remove_blocks  # noqa: E402
 
 SOLVERS = ("lra_span", "lra_replaceme")  # grid variants (experiments/variants.py)
 

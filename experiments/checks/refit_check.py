@@ -9,7 +9,7 @@ then process as if nothing had changed. The richer-maps check found that richer 
 that re-anchoring the stream with more LRAs stops helping after two blocks. This check asks what the *kept
 blocks* can absorb: after the default correction (the joint map, ``lra_replaceme``), the first ``k`` kept blocks
 after each removed span are re-fitted layer group by layer group, each layer by one ridge regression towards its
-own weights whose target is the original's output plus the stream's drift (:mod:`shift_lightning.keptfit`, what
+own weights whose target is the original's output plus the stream's drift (:mod:`shift_lightning.maps.keptfit`, what
 ``--calibration.refit_kept k --calibration.refit_damping δ`` runs). Gemma3's blocks add their branches through
 norms; the check fits them with the target's direction (``post_norm="direction"``), which the library refuses
 by default because of what this check measured.
@@ -41,13 +41,13 @@ from anchored_check import closeness
 import torch
 
 from shift_lightning.arch import decoder_layers
-from shift_lightning.keptfit import Walk, guarded_refit, refit_kept, refit_pairs  # noqa: F401 (Walk: the tests)
+from shift_lightning.maps.keptfit import Walk, guarded_refit, refit_kept, refit_pairs  # noqa: F401 (Walk: the tests)
 from shift_lightning.outputs import write_json_atomic, write_text_atomic
 
 def corrected_copy(model, layers: list[int], windows, damping: float, make_trainer):
     """A deep copy of ``model``, pruned of ``layers`` and corrected by the default joint map fitted on ``windows``."""
     from shift_lightning.calibration import CalibrationConfig, CalibrationModule
-    from shift_lightning.surgery import apply_correction, remove_blocks
+    from shift_lightning.maps.surgery import apply_correction, remove_blocks
 
     m = copy.deepcopy(model)
     module = CalibrationModule(m, layers, CalibrationConfig(damping=damping), solvers=["lra_replaceme"])

@@ -33,10 +33,10 @@ import _common as C
 import torch  # noqa: E402
 
 from shift_lightning.arch import base_model, block_input, block_output, decoder_layers, mlp_branch  # noqa: E402
-from shift_lightning.calibration.sites import contiguous_spans  # noqa: E402
-from shift_lightning.calibration.solvers.replaceme import cosine_fit  # noqa: E402
+from shift_lightning.maps.sites import contiguous_spans  # noqa: E402
+from shift_lightning.maps.solvers.replaceme import cosine_fit  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
-from shift_lightning.stats import RidgeStats, ridge_solve  # noqa: E402
+from shift_lightning.maps.ridge import RidgeStats, ridge_solve  # noqa: E402
 
 
 @torch.no_grad()

@@ -47,7 +47,7 @@ from shift_lightning.arch import (Bypass, block_input, block_output, decoder_lay
                                   swapped_blocks, with_block_input)
 from shift_lightning.data import TokenWindows  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
-from shift_lightning.stats import RidgeStats, ridge_solve  # noqa: E402
+from shift_lightning.maps.ridge import RidgeStats, ridge_solve  # noqa: E402
 
 #: Feature sets of the one-map rows: name -> groups (x: span input, n: x / rms(x), m: MLP branch, a: MLP hidden).
 FEATURES = {"x": "x", "x, n(x)": "xn", "x, m": "xm", "x, a": "xa", "x, n(x), a": "xna"}

@@ -3,7 +3,7 @@
     python experiments/checks/stock_check.py --model smollm2-135m --criteria angular,reverse_star,magnitude_l1,taylor
     python experiments/checks/stock_check.py --model smollm2-135m --criteria ppl,magnitude_l2 --rows stock,stock+refit2
 
-The stock options (:mod:`shift_lightning.calibration.solvers.stock`): ReplaceMe's ``m ↦ m T`` folded into the
+The stock options (:mod:`shift_lightning.maps.solvers.stock`): ReplaceMe's ``m ↦ m T`` folded into the
 ``down_proj`` before each span; the stock solver's ridge re-fit of that ``down_proj`` on its ``d_ff``-wide input
 (no intercept); each followed by the kept-block re-fit of the first ``k`` kept blocks (``--calibration.refit_kept
 k``, damping 0.1, unguarded here: the check itself is the guard). Beside them, for the price of stock: the paper's
@@ -30,7 +30,7 @@ from anchored_check import closeness
 import torch
 
 from shift_lightning.arch import decoder_layers
-from shift_lightning.keptfit import refit_kept, refit_pairs
+from shift_lightning.maps.keptfit import refit_kept, refit_pairs
 from shift_lightning.outputs import write_json_atomic, write_text_atomic
 
 #: row -> (variant fitted by the calibration, kept blocks re-fitted after each span)
@@ -82,7 +82,7 @@ def main(argv=None):
     import lightning as L
 
     from shift_lightning.calibration import CalibrationConfig, CalibrationModule
-    from shift_lightning.surgery import apply_correction, remove_blocks
+    from shift_lightning.maps.surgery import apply_correction, remove_blocks
 
     model, tok = C.build_model(a.model, torch.device("cpu"))
     n = len(decoder_layers(model))

@@ -51,7 +51,7 @@ def blocks_label(layers) -> str:
     """``[3, 12, 13, 14]`` → ``3, 12–14``."""
     if not layers:
         return "…"
-    from shift_lightning.calibration import contiguous_spans
+    from shift_lightning.maps import contiguous_spans
 
     return ", ".join(f"{s}" if e - s == 1 else f"{s}–{e - 1}" for s, e in contiguous_spans(layers))
 

@@ -206,7 +206,7 @@ def markdown(rows: list[dict], info: dict, criteria: list[str], variants: list[s
     if info.get("refit"):
         lines += ["", "Every map is followed by the guarded kept-block re-fit (`--refit_kept`: the first k kept blocks "
                   "after each span re-fitted in closed form, each kept only if closer to the original on every "
-                  f"{c.get('heldout_every', 4)}th calibration window; `shift_lightning/keptfit.py`). Kept of tried: "
+                  f"{c.get('heldout_every', 4)}th calibration window; `shift_lightning/maps/keptfit.py`). Kept of tried: "
                   + "; ".join(f"{crit} {', '.join(map(str, x['kept'])) or 'none'} of {', '.join(map(str, x['tried']))}"
                               f" (k = {x['k']}, δ = {x['damping']:g})" for crit, x in info["refit"].items()) + "."]
     if info.get("pruned_from"):

@@ -34,7 +34,7 @@ def test_replaceme_cosine_check_rows_and_report(tmp_path):
     torch.testing.assert_close(y - m, (hs[5] - hs[3])[keep].double(), rtol=1e-5, atol=1e-5)
     eye = R.scores(torch.eye(64, dtype=torch.float64), m, y)
     assert abs(eye["rel_error"] - float((y - m).square().sum() / y.square().sum())) < 1e-9
-    from shift_lightning.stats import RidgeStats, ridge_solve
+    from shift_lightning.maps.ridge import RidgeStats, ridge_solve
 
     st = RidgeStats(64)
     st.add_batch(m, y - m)
@@ -58,8 +58,8 @@ def test_richer_maps_check_rows_and_its_x_m_fit_is_the_lra_replaceme_solver(tmp_
     import _common as C
     import richer_maps_check as R
     from shift_lightning.calibration import CalibrationConfig, CalibrationModule
-    from shift_lightning.calibration.solvers.joint import span_delta_map
-    from shift_lightning.stats import ridge_solve
+    from shift_lightning.maps.solvers.joint import span_delta_map
+    from shift_lightning.maps.ridge import ridge_solve
 
     model, _ = C.build_model("random:tiny", torch.device("cpu"), dtype=torch.float64)
     win = C.windows(model, None, 4, 32)
@@ -129,7 +129,7 @@ def test_low_rank_check_rows_from_one_pass_and_full_rank_equals_the_solvers(tmp_
     from shift_lightning.calibration import CalibrationConfig, CalibrationModule
     from shift_lightning.data import TokenWindows
     from shift_lightning.closeness import window_references
-    from shift_lightning.surgery import apply_correction, remove_blocks
+    from shift_lightning.maps.surgery import apply_correction, remove_blocks
 
     model = C.build_model("random:tiny", torch.device("cpu"))[0]
     win = C.windows(model, None, 8, 32)

@@ -15,7 +15,7 @@ from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.data import TextDataConfig, build_windows
 from shift_lightning.models import build_tiny_model
 from shift_lightning.recipes import cli
-from shift_lightning.surgery import apply_correction, remove_blocks
+from shift_lightning.maps.surgery import apply_correction, remove_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = str(ROOT / "tests" / "data" / "tiny_corpus.txt")

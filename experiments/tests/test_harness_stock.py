@@ -8,7 +8,7 @@ from experiments import harness
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.data import TextDataConfig, build_windows
 from shift_lightning.models import build_tiny_model
-from shift_lightning.surgery import remove_blocks
+from shift_lightning.maps.surgery import remove_blocks
 
 import lightning as L
 from pathlib import Path

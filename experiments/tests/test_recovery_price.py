@@ -29,7 +29,7 @@ def test_stock_with_refit_row_records_before_and_after(tmp_path):
     from shift_lightning.checkpoint import load_pretrained
     from shift_lightning.errors import ConfigError
     from shift_lightning.models import ModelConfig
-    from shift_lightning.surgery import remove_blocks
+    from shift_lightning.maps.surgery import remove_blocks
     from experiments.recovery_table import RecoveryTableConfig, run
     from experiments.reproduce import ReproduceConfig
     from experiments.reproduce import run as run_grid

@@ -101,10 +101,13 @@ def test_recovery_table_runs_resumes_and_plots_on_a_tiny_model(tmp_path):
     table = json.loads((out / "recovery.json").read_text())
     assert {(r["criterion"], r["run"]) for r in table["rows"]} == {("reverse_star", "lora"),
                                                                  ("reverse_star", "lra_trained_lora")}
-    assert all(r["steps"] == 4 and 0 < r["avg"] <= 1 for r in table["rows"])
-    assert all("robust" in r and len(r["robust_ci"]) == 2 for r in table["rows"])  # against the grid's original
+    # each run carries its starting model's evaluation: the table shows before and after
+    assert all(r["steps"] == 4 and 0 < r["before"]["avg"] <= 1 and 0 < r["after"]["avg"] <= 1 for r in table["rows"])
+    assert all("robust" in r[w] and len(r[w]["robust_ci"]) == 2 for r in table["rows"] for w in ("before", "after"))
+    starts = {r["run"]: (r["start"], r["training"]) for r in table["rows"]}  # robust: against the grid's original
+    assert starts == {"lora": ("pruned", "LoRA, NLL"), "lra_trained_lora": ("+lra", "LoRA + the maps, NLL")}
     md = (out / "recovery.md").read_text()
-    assert "pruned + LRA (trained) + LoRA" in md and f"pruned + LRA (no training; {grid.out})" in md
+    assert "| reverse_star | +lra | LoRA + the maps, NLL |" in md and "| Avg before | Avg after |" in md
     assert (out / "curves.png").exists()
     curve = read_curves(out / "tb" / "reverse_star" / "lora")
     assert [s for s, _ in curve["zeroshot/avg"]] == [0, 2, 4] and [s for s, _ in curve["val/ppl"]] == [0, 2, 4]
@@ -154,8 +157,8 @@ def test_recovery_table_starts_from_the_chosen_repair_and_trains_on_the_chosen_t
              (("lra", per_block), ("span", span))}
     assert start["lra"][0] == start["span"][0] == 0 and start["lra"][1] != pytest.approx(start["span"][1], rel=1e-6)
     md = (span / "recovery.md").read_text()
-    assert f"pruned + lra_span (no training; {grid.out})" in md and "tokens of tiny_heldout.txt" in md
-    assert f"pruned (no training; {tmp_path / 'paper'})" in md
+    assert "| reverse_star | +lra_span | LoRA, distilled (KD) |" in md and "tokens of tiny_heldout.txt" in md
+    assert doc["before"]["kl"] and doc["before"]["average"] > 0  # the starting model, evaluated before training
     assert "Command: `" in md and "--repair lra_span" in md
     # the command reproduces the run: the grid's settings too
     assert "--grid.calib_samples 6" in doc["command"] and f"--grid.out {grid.out}" in doc["command"]
@@ -328,7 +331,7 @@ def test_refit_grid_rescores_every_map_after_the_guarded_kept_block_refit(tmp_pa
     The re-fit grid takes the plain grid's original row (``--original_from``), refused if scored otherwise."""
     import itertools
 
-    import shift_lightning.keptfit as K
+    import shift_lightning.maps.keptfit as K
     import experiments.reproduce as R
     from shift_lightning.errors import ConfigError
 
@@ -611,7 +614,7 @@ def test_a_guard_that_kept_the_lra_or_the_span_lra_names_that_row_as_its_twin():
     once :func:`_maps_check` finds the same perplexity and KL; any other choice has no twin."""
     from types import SimpleNamespace
 
-    from shift_lightning.calibration.sites import span_sites
+    from shift_lightning.maps.sites import span_sites
     from experiments.reproduce import _twin
 
     cfg = _tiny_grid(Path("."), damping=1e-4)
@@ -649,7 +652,7 @@ def test_a_twin_whose_own_outcomes_were_reused_points_to_the_run_that_evaluated_
     from dataclasses import asdict
     from types import SimpleNamespace
 
-    from shift_lightning.calibration.sites import span_sites
+    from shift_lightning.maps.sites import span_sites
     from experiments import harness
     from experiments.reproduce import _same_maps
 

@@ -15,7 +15,8 @@ from torch.testing import assert_close
 
 from experiments import variants
 from shift_lightning.arch import decoder_layers
-from shift_lightning.calibration import SOLVERS, CalibrationConfig, CalibrationModule
+from shift_lightning.calibration import CalibrationConfig, CalibrationModule
+from shift_lightning.maps import SOLVERS
 from shift_lightning.models import build_tiny_model
 
 DATA = Path(__file__).resolve().parent / "data"

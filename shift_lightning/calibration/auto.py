@@ -8,7 +8,7 @@ the closest under the criteria that keep the first blocks (Taylor, magnitude-L2,
 removed (random 1.185 against 1.066, magnitude-L1 1.338 against 1.034), and the evaluated sets agree
 (``results/bench/anchored_check_smollm2.md``). So this mode does not guess: every
 ``heldout_every``-th calibration window is held out (the guards' split), each fit of
-:attr:`~shift_lightning.calibration.solvers.ridge.LRA.fits` is made on the others, the pruned
+:attr:`~shift_lightning.maps.solvers.ridge.LRA.fits` is made on the others, the pruned
 model is run on the held-out windows with each fit's maps in place (:class:`FitJudge`) and the fit
 with the lowest mean next-token ``KL(original ‖ model)`` (the original's top-``guard_topk``; ties go to
 the earlier fit, the paper's per-block LRA first) is refitted on all windows. The choice is per run,
@@ -21,7 +21,7 @@ are the same maps for the removed blocks (:func:`coinciding_fits`: with one span
 with only one-block spans the per-block and the span LRA) are fitted and judged once.
 
 ``lra_replaceme`` in ``mode: auto`` does the same for the joint map
-(:attr:`~shift_lightning.calibration.solvers.joint.LRAReplaceMe.fits`: independent, sequential, anchored; each
+(:attr:`~shift_lightning.maps.solvers.joint.LRAReplaceMe.fits`: independent, sequential, anchored; each
 fit's maps are an adapter and ReplaceMe's branch map, judged with both in place): with one span it is the joint
 map, judged once; otherwise three fits on 1 − 1/k of the windows, the judge pass and the refit (4.19× the joint
 map's calibration time on SmolLM2, Taylor's blocks: ``results/bench/auto_cost_joint_smollm2.md``).

@@ -1,19 +1,19 @@
 """Collection: what one forward pass of the original model gathers for every site. Framework-free.
 
-Each solver declares the statistics it needs (:attr:`~shift_lightning.calibration.solvers.Solver.needs`);
+Each solver declares the statistics it needs (:attr:`~shift_lightning.maps.solvers.Solver.needs`);
 for every site or span :class:`Collector` allocates them in one float64 buffer per site (summed across N
 ranks in ONE packed all-reduce; a site's buffer is freed once it is solved) and installs forward hooks that
 fill them:
 
 =========  =============================================================================================
-``io``     :class:`~shift_lightning.stats.RidgeStats` of ``(x, Δ)``: ``x`` the hidden state entering block
+``io``     :class:`~shift_lightning.maps.ridge.RidgeStats` of ``(x, Δ)``: ``x`` the hidden state entering block
            ``start``, ``Δ = h_end − x`` what the removed blocks add to the residual stream
 ``branch`` ``RidgeStats`` of ``(m, Δ)``: ``m`` the MLP-branch output of block ``start − 1`` (ReplaceMe)
 ``joint``  ``RidgeStats`` of ``([x, m], Δ)`` (inputs ``2d`` wide, targets ``d``): the LRA and ReplaceMe's
-           branch map fitted together (:mod:`~.solvers.joint`); spans with a block before them only
+           branch map fitted together (:mod:`~shift_lightning.maps.solvers.joint`); spans with a block before them only
 ``down``   ``RidgeStats`` of ``(u, Δ)`` (inputs ``d_ff`` wide, targets ``d``): ``u`` the input of block ``start − 1``'s
-           ``mlp.down_proj`` (the stock repair, :mod:`~.solvers.stock`); spans with a block before them only
-``scale``  :class:`~shift_lightning.peers.ChannelScaleStats` of the span's input and output (LinearPatch)
+           ``mlp.down_proj`` (the stock repair, :mod:`~shift_lightning.maps.solvers.stock`); spans with a block before them only
+``scale``  :class:`~shift_lightning.maps.peers.ChannelScaleStats` of the span's input and output (LinearPatch)
 ``rows``   the rows ``(m, m + Δ)`` themselves, cached on the CPU per window (iterative solvers:
            ReplaceMe's cosine objective); gathered from every rank in window order, not summed
 =========  =============================================================================================
@@ -37,9 +37,9 @@ from torch import nn
 
 from .. import dist
 from ..arch import StopForward, block_input, block_output, decoder_layers, mlp_branch
-from ..peers import ChannelScaleStats
-from ..stats import RidgeStats
-from .sites import Site
+from ..maps.peers import ChannelScaleStats
+from ..maps.ridge import RidgeStats
+from ..maps.sites import Site
 
 #: Statistics a solver may ask for (see the module doc).
 NEEDS = ("io", "branch", "joint", "down", "scale", "rows")

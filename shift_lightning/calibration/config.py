@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import ConfigError
-from .solvers import SOLVERS
+from ..maps.solvers import SOLVERS
 
 log = logging.getLogger(__name__)
 
-#: The config's choices of ``--calibration.solver``: the registry's names (:mod:`shift_lightning.calibration.solvers`,
+#: The config's choices of ``--calibration.solver``: the registry's names (:mod:`shift_lightning.maps.solvers`,
 #: where each solver's one-line description is), read when this module is imported.
 SolverName = Literal[tuple(SOLVERS)]  # type: ignore[valid-type]
 
@@ -67,7 +67,7 @@ class CalibrationConfig:
     """How a batch's products are formed before they are added into the float64 master sums:
     ``float64``; ``float32`` / ``tf32`` / ``bfloat16`` chunks (the GEMM's input precision, float32
     accumulation); ``auto``: float64 on CPU, on CUDA bfloat16 for bf16 models and tf32 otherwise
-    (see :mod:`shift_lightning.stats`; errors and speed: ``benchmarks/calibration.py --accum``)."""
+    (see :mod:`shift_lightning.maps.ridge`; errors and speed: ``benchmarks/calibration.py --accum``)."""
     heldout: bool = True
     """Also measure every site's relative residual error on the held-out windows."""
     heldout_every: int = 4
@@ -98,7 +98,7 @@ class CalibrationConfig:
     refit_kept: int | Literal["all"] = 0
     """Once the maps are in place, re-fit the first k kept blocks after each removed span (``all``: every kept
     block after it) in closed form
-    (:mod:`shift_lightning.keptfit`): their linear layers absorb the stream's drift, each by one ridge regression
+    (:mod:`shift_lightning.maps.keptfit`): their linear layers absorb the stream's drift, each by one ridge regression
     towards its own weights on the calibration windows; block by block, a re-fit is kept only if it brings the model
     closer to the original on the held-out calibration windows (every ``heldout_every``-th; KL over the original's
     top ``guard_topk``), then the kept ones are re-fitted on all windows. 0 (default): off. Llama layout only

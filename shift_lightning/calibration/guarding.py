@@ -1,4 +1,4 @@
-"""The KL guard's choice (solver ``guarded``; its candidates: :mod:`.solvers.guard`), a selection layer composed
+"""The KL guard's choice (solver ``guarded``; its candidates: :mod:`shift_lightning.maps.solvers.guard`), a selection layer composed
 around a :class:`~shift_lightning.calibration.CalibrationModule` that has collected its statistics: every candidate
 is fitted from them without the held-out windows (every ``heldout_every``-th), the pruned model is run on those
 windows with each candidate in place (:class:`~.judge.GuardJudge`), and per span the closest to the original is
@@ -11,11 +11,11 @@ from dataclasses import replace
 from ..data import TokenWindows
 from ..errors import ConfigError
 from .judge import GuardJudge
-from .maps import SpanMap, adapter_from, chain
-from .sites import Site, sites_in
+from ..maps.fitted import SpanMap, adapter_from, chain
+from ..maps.sites import Site, sites_in
 from .solve import Job, solve_shared
-from .solvers import Solver, get_solver
-from .solvers.guard import Candidate
+from ..maps.solvers import Solver, get_solver
+from ..maps.solvers.guard import Candidate
 
 
 class GuardChoice:

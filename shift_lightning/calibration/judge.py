@@ -30,8 +30,8 @@ from torch import nn
 from ..arch import block_input, block_output, decoder_layers, final_norm, mlp_branch
 from ..closeness import kl_top1_from_hidden, lm_softcap, topk_from_hidden
 from ..passes import DataPass, sum_across_ranks
-from .maps import SpanMap
-from .sites import Site
+from ..maps.fitted import SpanMap
+from ..maps.sites import Site
 
 
 @contextlib.contextmanager

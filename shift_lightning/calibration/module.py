@@ -4,7 +4,7 @@
         ──> solves shared out among ranks, broadcast ──> (guarded: judge pass) ──> maps per span
 
 It receives a built model and the original indices of the blocks to remove (it never prunes:
-:func:`~shift_lightning.surgery.remove_blocks` does); ``solvers`` (default ``[cfg.solver]``) are
+:func:`~shift_lightning.maps.surgery.remove_blocks` does); ``solvers`` (default ``[cfg.solver]``) are
 fitted from the same pass: solver names, or ``{key: {knob: value}}`` to fit several configurations of the
 solvers side by side from one pass (a grid's variants, e.g. ``{"lra": {}, "lra_span": {"solver": "lra",
 "granularity": "span"}}``; the knobs replace ``cfg``'s fields, ``solver`` defaults to the key; all share ``cfg``'s
@@ -26,17 +26,17 @@ from ..data import TokenWindows, check_windows  # noqa: F401  (re-exported)
 from ..errors import ConfigError
 from ..passes import DataPass, sum_across_ranks
 from ..placement import placement_of
-from ..stats import Solution
+from ..maps.ridge import Solution
 from .collect import Collector, SiteStatistics
 from .config import CalibrationConfig
-from .maps import Correction, SpanMap, adapter_from, assemble, chain
+from ..maps.fitted import Correction, SpanMap, adapter_from, assemble, chain
 from .pipeline import IndependentPass
 from .sequential import SequentialWalk
 from .walks import WALKS
-from .sites import Site, make_sites, sites_in, span_sites
+from ..maps.sites import Site, make_sites, sites_in, span_sites
 from .solve import Job, solve_shared
-from .solvers import SOLVERS, Solver, get_solver
-from .solvers.guard import Guarded
+from ..maps.solvers import SOLVERS, Solver, get_solver
+from ..maps.solvers.guard import Guarded
 
 
 class CalibrationModule(DataPass):
@@ -232,7 +232,7 @@ class CalibrationModule(DataPass):
     def add_statistics(self, other: "CalibrationModule") -> None:
         """Add ``other``'s statistics (same sites, e.g. a pass over more windows) to ours: the sums
         ``[X,1]ᵀ[X,1]``, ``[X,1]ᵀΔ``, ``Σ‖Δ‖²`` are additive over disjoint windows."""
-        from ..stats import RidgeStats
+        from ..maps.ridge import RidgeStats
 
         for key, theirs in other.statistics.items():
             mine = self.statistics.setdefault(key, SiteStatistics(theirs.site))

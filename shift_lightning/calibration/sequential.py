@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from ..arch import mlp_branch
-from ..stats import RidgeStats
+from ..maps.ridge import RidgeStats
 from .collect import SiteStatistics
 from ..passes import BlockCache
-from .sites import Site
+from ..maps.sites import Site
 
 
 class SequentialWalk:

@@ -1,9 +1,9 @@
 """The distributed solve: job ``n`` runs on rank ``n mod world``, its map is broadcast to every rank.
 
-Every solver returns a :class:`~shift_lightning.stats.Solution` of known shapes (``W (d, d)``,
+Every solver returns a :class:`~shift_lightning.maps.ridge.Solution` of known shapes (``W (d, d)``,
 ``b (d,)`` (``W (d, d_ff)`` for the stock repair's ``down_proj`` update), ``U, V (d, r)`` when low rank, a branch map ``T (d, d)`` beside the adapter for the joint
 solver, ``λ``), so the broadcast is the same for every map. The owner's small ``info`` dict, which
-tensors it filled (and any :class:`~shift_lightning.stats.SolveError`) travel first, as an object: a
+tensors it filled (and any :class:`~shift_lightning.maps.ridge.SolveError`) travel first, as an object: a
 failed solve raises the same one-line error on every rank, and every rank sizes the buffers alike.
 """
 
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import dist
-from ..stats import Solution, SolveError
+from ..maps.ridge import Solution, SolveError
 from .collect import SiteStatistics
-from .sites import Site
-from .solvers import Solver
+from ..maps.sites import Site
+from ..maps.solvers import Solver
 
 
 @dataclass

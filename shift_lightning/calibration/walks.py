@@ -6,7 +6,7 @@ brought in by the model's placement.
 ``independent``  every site's statistics from the original model's states in one walk, ONE all-reduce, then the
                  solves shared out among ranks (:meth:`~.module.CalibrationModule.solve`); a guard then chooses per
                  span on held-out windows (:mod:`.guarding`). Held-out errors: one walk of
-                 :class:`~shift_lightning.stats.ResidualMeter` s.
+                 :class:`~shift_lightning.maps.ridge.ResidualMeter` s.
 ``sequential``   each site fitted on the corrected pruned model's states as the walk reaches it
                  (:class:`~.sequential.SequentialWalk`: one all-reduce and one shared solve per site).
 ``anchored``     ``sequential``, each site fitted to the original model's state at its end.
@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 
 from ..data import TokenWindows
-from ..stats import ResidualMeter
+from ..maps.ridge import ResidualMeter
 from .auto import choose_fit
 from .collect import SiteStatistics
 from .guarding import GuardChoice
-from .maps import as_affine
+from ..maps.fitted import as_affine
 from .solve import Job, solve_shared
-from .solvers.joint import span_delta_map
+from ..maps.solvers.joint import span_delta_map
 
 #: mode name -> walk class; filled by :func:`register_walk`.
 WALKS: dict[str, type["Walk"]] = {}
@@ -146,7 +146,7 @@ class Auto(Sequential):
 
 
 def _error_meters(m) -> dict:
-    """What the held-out pass measures, each a :class:`~shift_lightning.stats.ResidualMeter` of a map known now:
+    """What the held-out pass measures, each a :class:`~shift_lightning.maps.ridge.ResidualMeter` of a map known now:
     every solver's map at each of its sites (``("site", solver, site)``, on the inputs it was fitted on) and,
     with several solvers or per-span ones, each requested solver's whole-span map (``("span", name, span)``)."""
     branch = any(s.placement == "branch" for s in m.solvers.values())

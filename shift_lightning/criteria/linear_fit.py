@@ -6,8 +6,8 @@ repaired model. This one judges what calibration will actually build. Windows ar
 ``heldout_every``-th window judges, the others fit.
 
 **Fit** (one pass over the fitting windows, all candidate blocks at once): per candidate block ``i``
-the streaming statistics of ``(x_i, Δ_i = block_i(x_i) − x_i)`` (:class:`~shift_lightning.stats.RidgeStats`),
-then the LRA ``x ↦ x + x W_iᵀ + b_i`` of each block (:func:`~shift_lightning.stats.ridge_solve`,
+the streaming statistics of ``(x_i, Δ_i = block_i(x_i) − x_i)`` (:class:`~shift_lightning.maps.ridge.RidgeStats`),
+then the LRA ``x ↦ x + x W_iᵀ + b_i`` of each block (:func:`~shift_lightning.maps.ridge.ridge_solve`,
 relative damping ``PruneConfig.damping``): exactly the per-block maps that independent calibration
 fits, whose chain over a span is what the pruned model gets (merged exactly).
 
@@ -43,8 +43,8 @@ import torch
 from torch import nn
 
 from ..closeness import kl_top1_from_hidden, lm_softcap, topk_from_hidden
-from ..lra import AdapterSpec, LinearResidualAdapter
-from ..stats import RidgeStats, ridge_solve
+from ..maps.lra import AdapterSpec, LinearResidualAdapter
+from ..maps.ridge import RidgeStats, ridge_solve
 from .base import CriterionError
 
 
@@ -218,7 +218,7 @@ class LinearFit:
         cost = self.span_costs()
         selected = select_spans(cost, self.allowed, self.L, self.k)
         scores = {i: cost.get((i, i + 1), float("nan")) for i in range(self.L)}
-        from ..calibration.sites import contiguous_spans
+        from ..maps.sites import contiguous_spans
 
         return scores, {
             "selected": selected, "fit_tokens": self.fit_tokens, "judge_windows_every": self.heldout_every,
@@ -321,7 +321,7 @@ class LinearFitKL(LinearFit):
         return a
 
     def finalize(self):
-        from ..calibration.sites import contiguous_spans
+        from ..maps.sites import contiguous_spans
 
         sums = self.sums.cpu()
         n = sums[:, 2].clamp_min(1)

@@ -31,7 +31,7 @@ from ..closeness import DEFAULT_TOPK, kl_top1_from_hidden, lm_softcap, topk_from
 from ..nll import lm_nll_sum
 from ..passes import BlockCache, DataPass, sum_across_ranks
 from ..placement import placement_of
-from ..surgery import fold_down, fold_replaceme
+from ..maps.surgery import fold_down, fold_replaceme
 
 #: The streams and what the report calls them.
 STREAMS = {"o": "original", "p": "pruned", "r": "repaired"}
@@ -41,7 +41,7 @@ CHUNK = 128
 
 class HeldoutCloseness(DataPass):
     """The report of the module doc for ``model`` (the original, before surgery), the original indices of the
-    ``removed`` blocks and the calibration's ``correction`` (:class:`~shift_lightning.calibration.maps.Correction`).
+    ``removed`` blocks and the calibration's ``correction`` (:class:`~shift_lightning.maps.fitted.Correction`).
     After :meth:`run`, :attr:`results` ``{"original": {"ppl"}, "pruned": {"ppl", "kl", "top1"}, "repaired": …}``."""
 
     stage = "held-out closeness (original, pruned, repaired)"

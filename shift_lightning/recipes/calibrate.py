@@ -22,7 +22,7 @@ from torch import nn
 from .trainer import build_trainer
 from .. import dist
 from ..arch import decoder_layers
-from ..calibration import CalibrationConfig, CalibrationModule, Correction, check_windows
+from ..calibration import CalibrationConfig, CalibrationModule, check_windows
 from ..criteria import CRITERIA, CriterionError, PruneConfig, check_layers, num_to_remove
 from ..data import CALIBRATION_SOURCE, DataError, TextDataConfig, build_windows, check_seq_len
 from ..config import default_heldout
@@ -36,11 +36,11 @@ from ..progress import with_stage_progress
 from ..reports import CalibrationReport
 from ..stopping import with_signal_guard
 from ..selection import ONLOAD_CRITERIA, select_blocks
-from ..calibration import pruned_positions
+from ..maps import Correction, pruned_positions
 from ..card import CardFacts
 from ..checkpoint import ShiftSpec, load_pretrained, save_adapters, save_pretrained
-from ..keptfit import check_block, guarded_refit, refit_pairs
-from ..surgery import apply_correction, remove_blocks
+from ..maps.keptfit import check_block, guarded_refit, refit_pairs
+from ..maps.surgery import apply_correction, remove_blocks
 
 log = logging.getLogger(__name__)
 

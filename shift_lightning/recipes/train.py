@@ -433,7 +433,7 @@ def check_maps_trainable(recovery: RecoveryConfig, solver: str | None = None, fo
     branch), and a calibrated ``folder`` without adapters does not hold. One line naming the fix (the LoRA trains the
     folded weights like any other weight). An injected model is checked by
     :class:`~shift_lightning.recovery.RecoveryModule`."""
-    from ..calibration.solvers import SOLVERS
+    from ..maps.solvers import SOLVERS
 
     if not (recovery.train_lra or recovery.method == "lra"):
         return

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from shift_lightning.calibration import CalibrationConfig, CalibrationModule  # noqa: E402
-from shift_lightning.calibration.maps import as_affine  # noqa: E402
+from shift_lightning.maps.fitted import as_affine  # noqa: E402
 from shift_lightning.data import TextDataConfig, build_windows  # noqa: E402
 from shift_lightning.models import build_tiny_model  # noqa: E402
 

@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from .arch import block_input, decoder_layers, final_norm, with_block_input
-from .calibration.sites import contiguous_spans, pruned_positions  # noqa: F401 (re-exported)
-from .errors import ShiftError
+from ..arch import block_input, decoder_layers, final_norm, with_block_input
+from .sites import contiguous_spans, pruned_positions  # noqa: F401 (re-exported)
+from ..errors import ShiftError
 from .peers import BranchMap, fold_replaceme
 
 
@@ -139,10 +139,10 @@ def adapter_module_names(model: nn.Module) -> list[str]:
 
 
 def apply_correction(model: nn.Module, correction, original_num_layers: int, removed: list[int]) -> None:
-    """Put a calibration ``correction`` (:class:`~shift_lightning.calibration.maps.Correction`) into the
+    """Put a calibration ``correction`` (:class:`~shift_lightning.maps.fitted.Correction`) into the
     already pruned ``model``: attach its adapters and fold its ReplaceMe maps (``branch_maps``,
     keyed by original block index) into the kept blocks they belong to."""
-    from .placement import placement_of
+    from ..placement import placement_of
 
     attach_adapters(model, correction.adapters)
     kept = [i for i in range(original_num_layers) if i not in set(removed)]

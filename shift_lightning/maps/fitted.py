@@ -1,10 +1,10 @@
 """From solved maps to what the pruned model carries: adapters per span, ReplaceMe's branch maps.
 
-* :func:`adapter_from` turns a :class:`~shift_lightning.stats.Solution` into a
-  :class:`~shift_lightning.lra.LinearResidualAdapter` (full or low rank, with or without bias);
+* :func:`adapter_from` turns a :class:`~shift_lightning.maps.ridge.Solution` into a
+  :class:`~shift_lightning.maps.lra.LinearResidualAdapter` (full or low rank, with or without bias);
 * :class:`SpanMap` is what one span ends up with (an adapter, a branch map, or nothing);
 * :class:`Correction` is what a solver does to the whole pruned model (adapters by pruned position,
-  branch maps by original block), applied by :func:`shift_lightning.surgery.apply_correction`.
+  branch maps by original block), applied by :func:`shift_lightning.maps.surgery.apply_correction`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..lra import AdapterSpec, LinearResidualAdapter, merge_adapters
-from ..stats import Solution
+from .lra import AdapterSpec, LinearResidualAdapter, merge_adapters
+from .ridge import Solution
 from .sites import Site, pruned_positions
 
 
@@ -73,7 +73,7 @@ class SpanMap:
 
 @dataclass
 class Correction:
-    """What one solver does to the pruned model (see :func:`shift_lightning.surgery.apply_correction`)."""
+    """What one solver does to the pruned model (see :func:`shift_lightning.maps.surgery.apply_correction`)."""
 
     solver: str
     adapters: dict[int, nn.Module] = field(default_factory=dict)

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from .base import Solver, register
 
 if TYPE_CHECKING:
-    from ...stats import Solution
-    from ..collect import SiteStatistics
+    from ..ridge import Solution
+    from ...calibration.collect import SiteStatistics
 
 
 class Candidate(NamedTuple):

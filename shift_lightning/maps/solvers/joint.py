@@ -33,7 +33,7 @@ a choice per run, made on calibration text).
 
 **Low rank** (``--calibration.rank r``): the adapter's ``A`` is constrained to rank r, ``B`` (folded into
 ``down_proj``, no parameters) stays full and is refitted given ``A``: the exact optimum of the same ridge
-objective over rank(``A``) ≤ r (:func:`~shift_lightning.stats.ridge_solve`, via the Schur complement of the
+objective over rank(``A``) ≤ r (:func:`~shift_lightning.maps.ridge.ridge_solve`, via the Schur complement of the
 ``m`` block). The adapter is then ``y = x' + x' V Uᵀ + b``, ``2dr + d`` parameters, and ``T`` is computed from
 ``I + A`` as above.
 
@@ -42,7 +42,7 @@ Statistics: ``[x, m, 1]ᵀ[x, m, 1, Δ]``, ``(2d+1)(3d+1)`` float64 per span (16
 after the pass rather than accumulated again (``Collector.derive``); twice that under ``guarded_joint``
 (held-out copies). Per token and span about ``6d²`` products against the LRA's ``2d²`` as one GEMM each;
 on CPU, where only the upper block triangle of the symmetric Gram block is multiplied
-(:func:`~shift_lightning.stats.gram_products`), about ``4.4d²`` against ``1.7d²`` at d = 640.
+(:func:`~shift_lightning.maps.ridge.gram_products`), about ``4.4d²`` against ``1.7d²`` at d = 640.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from .base import Solver, register
 if TYPE_CHECKING:
     import torch
 
-    from ...stats import Solution
-    from ..collect import SiteStatistics
+    from ..ridge import Solution
+    from ...calibration.collect import SiteStatistics
 
 #: Largest condition number of ``I + A`` the fold accepts.
 MAX_COND = 1e8
@@ -93,7 +93,7 @@ class LRAReplaceMe(Solver):
     def fit(self, stats: SiteStatistics) -> Solution:
         import torch
 
-        from ...stats import Solution, SolveError, ridge_solve
+        from ..ridge import Solution, SolveError, ridge_solve
 
         if stats.joint is None:  # span at block 0: no branch before it
             sol = ridge_solve(stats.io, self.cfg.damping, self.rank(stats.io.dim))

@@ -1,6 +1,6 @@
 """LinearPatch, training-free (arXiv 2505.24680): ``y = x P`` at the pruning interface, ``P = H D Hᵀ``
 with ``H`` a normalised Hadamard matrix and ``D`` the per-channel scaling of the span's output over
-its input in the Hadamard basis (:mod:`shift_lightning.peers`). No bias; an affine adapter with
+its input in the Hadamard basis (:mod:`shift_lightning.maps.peers`). No bias; an affine adapter with
 ``A = Pᵀ``."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from .base import Solver, register
 
 if TYPE_CHECKING:
-    from ...stats import Solution
-    from ..collect import SiteStatistics
+    from ..ridge import Solution
+    from ...calibration.collect import SiteStatistics
 
 
 @register
@@ -25,8 +25,8 @@ class LinearPatch(Solver):
     def fit(self, stats: SiteStatistics) -> Solution:
         import torch
 
-        from ...peers import linearpatch_matrix
-        from ...stats import Solution
+        from ..peers import linearpatch_matrix
+        from ..ridge import Solution
 
         scale = stats.scale.scale()
         P = linearpatch_matrix(scale)

@@ -1,4 +1,4 @@
-"""The closed-form ridge maps of the removed blocks' residual update (the maths: :mod:`shift_lightning.stats`).
+"""The closed-form ridge maps of the removed blocks' residual update (the maths: :mod:`shift_lightning.maps.ridge`).
 
 * ``lra``: the paper's Linear Residual Adapter ``y = x + x Wᵀ + b``, ``Wᵀ = (XcᵀXc + λI)⁻¹ XcᵀΔc``. Its knobs:
   low rank with ``--calibration.rank``; one map per removed block (merged per span) or, with ``granularity:
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from .base import Solver, register
 
 if TYPE_CHECKING:
-    from ...stats import Solution
-    from ..collect import SiteStatistics
+    from ..ridge import Solution
+    from ...calibration.collect import SiteStatistics
 
 
 @register
@@ -32,7 +32,7 @@ class LRA(Solver):
             ("lra_sequential", "span", "sequential"), ("lra_anchored", "span", "anchored"))
 
     def fit(self, stats: SiteStatistics) -> Solution:
-        from ...stats import ridge_solve
+        from ..ridge import ridge_solve
 
         return ridge_solve(stats.io, self.cfg.damping, self.rank(stats.io.dim), "residual", bias=self.bias)
 

@@ -3,7 +3,7 @@
 With ``m`` the MLP-branch output of block ``s − 1`` and ``Δ`` what the span ``[s, e)`` adds to the
 residual stream, ReplaceMe replaces ``m`` by ``m T`` so that block ``s − 1`` alone produces
 ``h_e ≈ x + Δ``: the target of ``m T`` is ``m + Δ``. ``T`` is folded into ``down_proj``
-(:func:`~shift_lightning.peers.fold_replaceme`), so the corrected model is a stock HF model. A span
+(:func:`~shift_lightning.maps.peers.fold_replaceme`), so the corrected model is a stock HF model. A span
 starting at block 0 has no block to fold into and stays uncorrected.
 
 * ``replaceme``: least squares, ``T = (mᵀm + λI)⁻¹ mᵀ(m + Δ)`` (its ``lstsq.py``), as
@@ -27,8 +27,8 @@ from .base import Solver, register
 if TYPE_CHECKING:
     import torch
 
-    from ...stats import Solution
-    from ..collect import SiteStatistics
+    from ..ridge import Solution
+    from ...calibration.collect import SiteStatistics
     from ..sites import Site
 
 
@@ -44,7 +44,7 @@ class ReplaceMe(Solver):
         return site.start >= 1
 
     def fit(self, stats: SiteStatistics) -> Solution:
-        from ...stats import ridge_solve
+        from ..ridge import ridge_solve
 
         return ridge_solve(stats.branch, self.cfg.damping, None, "affine", bias=False)
 
@@ -89,7 +89,7 @@ class ReplaceMeCosine(ReplaceMe):
     def fit(self, stats: SiteStatistics) -> Solution:
         import torch
 
-        from ...stats import Solution, SolveError
+        from ..ridge import Solution, SolveError
 
         m, y = stats.rows.gather()
         if m.shape[0] == 0:

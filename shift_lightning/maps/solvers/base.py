@@ -14,7 +14,7 @@ which guard candidates — are knobs of :class:`~shift_lightning.calibration.con
             return ridge_solve(stats.io, self.cfg.damping, bias=False)
 
 (``experiments/`` registers its own solvers the same way.) Every map is affine, so every solver returns a
-:class:`~shift_lightning.stats.Solution` (``W, b`` float64, optionally low rank ``U, V``): one fixed set of
+:class:`~shift_lightning.maps.ridge.Solution` (``W, b`` float64, optionally low rank ``U, V``): one fixed set of
 tensors, which is what lets the module share the solves out among ranks and broadcast them without knowing the
 solver. Where the map goes is the solver's :attr:`Solver.placement`:
 
@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 from ...errors import ConfigError
 
 if TYPE_CHECKING:
-    from ...stats import RidgeStats, Solution
-    from ..collect import SiteStatistics
+    from ..ridge import RidgeStats, Solution
+    from ...calibration.collect import SiteStatistics
     from ..sites import Site
 
 

@@ -2,7 +2,7 @@
 
 Every map below replaces a contiguous span of removed blocks ``[s, e)``; ``x`` is the hidden state
 entering block ``s`` and ``Δ = h_e − x`` what the span added to the residual stream (row vectors,
-``(N, d)``; the statistics are :class:`~shift_lightning.stats.RidgeStats` or :class:`ChannelScaleStats`):
+``(N, d)``; the statistics are :class:`~shift_lightning.maps.ridge.RidgeStats` or :class:`ChannelScaleStats`):
 
 * **no bias** (the closed-form ``I + M`` of "Ghosted Layers", arXiv 2605.15491): ``y = x + x Wᵀ``,
   ``Wᵀ = (XᵀX + λI)⁻¹ XᵀΔ`` uncentred — an LRA without ``b`` (``ridge_solve(bias=False)``).
@@ -20,7 +20,7 @@ entering block ``s`` and ``Δ = h_e − x`` what the span added to the residual 
   into and stays uncorrected. Families with a norm after the MLP (Gemma3's
   ``post_feedforward_layernorm``) cannot fold ``T`` into ``down_proj``; there ``T`` is applied to
   the normed branch output (:class:`BranchMap`), the same function, saved and reloaded by
-  :mod:`~shift_lightning.surgery`.
+  :mod:`~shift_lightning.maps.surgery`.
 * **LinearPatch**, training-free (arXiv 2505.24680; chenxinrui-tsinghua/LinearPatch): at the
   pruning interface ``y = x P`` with ``P = H D Hᵀ``, ``H`` a normalised Hadamard matrix and ``D``
   the per-channel scaling ``s_k = mean over windows of [mean_t |(y H)_k| / mean_t |(x H)_k|]``
@@ -42,7 +42,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,10 +41,10 @@ import torch
 
 import copy
 
-from .arch import block_input, block_output, decoder_layers
-from .closeness import TopK, kl_top1_from_hidden, lm_softcap, topk_from_hidden
-from .errors import ShiftError
-from .placement import placement_of
+from ..arch import block_input, block_output, decoder_layers
+from ..closeness import TopK, kl_top1_from_hidden, lm_softcap, topk_from_hidden
+from ..errors import ShiftError
+from ..placement import placement_of
 
 #: The linear layers of a block in the order its forward runs them; each group shares one input.
 GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
@@ -83,7 +83,7 @@ class Walk:
 
     @torch.no_grad()
     def __init__(self, model, windows, first: int = 0, batch: int = 4, device=None):
-        from .passes import BlockCache  # noqa: PLC0415 (the block-major cache; passes imports Lightning)
+        from ..passes import BlockCache  # noqa: PLC0415 (the block-major cache; passes imports Lightning)
 
         self.model, self.blocks, self.placement = model, decoder_layers(model), placement_of(model)
         self.device = torch.device(device) if device is not None else _device(model)
@@ -364,7 +364,7 @@ def guarded_refit(pruned, original, windows, pairs: list[tuple[int, int]], dampi
     them, then each part is shared out (rank ``r`` takes windows ``r, r + world, …`` of it, none repeated) and
     statistics and scores are summed with ``reduce`` (see :func:`refit_kept`), so every rank keeps the same
     blocks and ends with the same weights as one process would."""
-    from .data import TokenWindows  # noqa: PLC0415 (data: torch only)
+    from ..data import TokenWindows  # noqa: PLC0415 (data: torch only)
 
     if len(windows) < every:
         raise KeptFitError(f"the re-fit's held-out check needs at least {every} calibration windows (every "

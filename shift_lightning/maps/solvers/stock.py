@@ -24,7 +24,7 @@ into the stream with no norm after it):
   embedding table, ``E' = E + E Wᵀ + b``. A tied ``lm_head`` is untied first (it keeps the original table).
 
 After the span, ``--calibration.refit_kept k`` re-fits the first ``k`` kept blocks' linear layers
-(:mod:`~shift_lightning.keptfit`): stock weights too. A folder repaired by ``stock`` (with or without the
+(:mod:`~shift_lightning.maps.keptfit`): stock weights too. A folder repaired by ``stock`` (with or without the
 re-fit) is a plain folder of its family: ``AutoModelForCausalLM.from_pretrained`` without remote code, GGUF,
 llama.cpp.
 
@@ -42,8 +42,8 @@ from .base import Solver, register
 if TYPE_CHECKING:
     from torch import nn
 
-    from ...stats import Solution
-    from ..collect import SiteStatistics
+    from ..ridge import Solution
+    from ...calibration.collect import SiteStatistics
 
 #: Families whose blocks write both branches straight into the stream (no norm after a branch).
 FOLDING_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -72,7 +72,7 @@ class Stock(Solver):
                 "replaceme")
 
     def fit(self, stats: SiteStatistics) -> Solution:
-        from ...stats import ridge_solve
+        from ..ridge import ridge_solve
 
         if stats.down is None:  # span at block 0: the span LRA, folded into the embedding table
             sol = ridge_solve(stats.io, self.cfg.damping)

@@ -8,7 +8,7 @@ and targets ``Δ: (N, d)`` (the removed block(s)' residual update ``block(x) −
     yy = Σ ‖Δ_t‖²          scalar       float64
 
 Memory is independent of the number of tokens. The targets may have another width than the inputs
-(``out_dim``): the joint map of :mod:`~shift_lightning.calibration.solvers.joint` regresses ``Δ: (N, d)`` on
+(``out_dim``): the joint map of :mod:`~shift_lightning.maps.solvers.joint` regresses ``Δ: (N, d)`` on
 ``[x, m]: (N, 2d)``, with ``C`` of shape ``(2d+1, d)``. Padding tokens are removed by the caller (only
 rows of real tokens reach :meth:`RidgeStats.add_batch`). Sums over ranks are plain sums, so one
 all-reduce of the flat buffer gives the global statistics.
@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ShiftError
+from ..errors import ShiftError
 
 
 class SolveError(ShiftError, RuntimeError):

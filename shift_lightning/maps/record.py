@@ -65,7 +65,7 @@ class ShiftSpec:
 
     @classmethod
     def from_dict(cls, doc: dict, source: str | Path = SHIFT_CONFIG) -> "ShiftSpec":
-        """Validated record; :class:`~shift_lightning.surgery.SurgeryError` names ``source`` otherwise."""
+        """Validated record; :class:`~shift_lightning.maps.surgery.SurgeryError` names ``source`` otherwise."""
         if not isinstance(doc, dict):
             raise SurgeryError(f"{source} must hold a JSON object")
         if doc.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
