@@ -192,7 +192,7 @@ def _rebuild_from_base(path: Path, spec: ShiftSpec, dtype, trust: bool = False, 
         base = ModelConfig(**{**base.__dict__, "dtype": str(dtype).replace("torch.", "")})
     model, tokenizer = load_model(base)
     if spec.base_fingerprint is not None and not accept_other_base:
-        from .fingerprints import weights_fingerprint
+        from .outputs.fingerprints import weights_fingerprint
 
         now = weights_fingerprint(model)
         if now != spec.base_fingerprint:

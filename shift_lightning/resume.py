@@ -36,7 +36,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from .errors import ConfigError
 from .finite import check_checkpoint
-from .ownership import abandoned_file, is_our_checkpoint, work_file_name
+from .outputs.ownership import abandoned_file, is_our_checkpoint, work_file_name
 from .outputs import OutputError, OutputExistsError, is_write_failure, write_failure_reason
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ def _record_written(path: Path, digest: str | None) -> None:
 
 
 def _ours(p: Path, written: dict[str, str] | None) -> bool:
-    """What ``--overwrite`` may delete (:mod:`~shift_lightning.ownership`): a checkpoint this tool wrote under this
+    """What ``--overwrite`` may delete (:mod:`~shift_lightning.outputs.ownership`): a checkpoint this tool wrote under this
     name with these bytes (its folder's record, ``written``), the record itself, or an abandoned save. A copy of a
     checkpoint under another name is the user's, whatever it holds. A folder with no record (written by an older
     version) falls back on the run record inside the file."""

@@ -1,4 +1,4 @@
-"""GGUF export (shift_lightning.gguf) without llama.cpp: what is refused before the converter runs, the layer
+"""GGUF export (shift_lightning.export.gguf) without llama.cpp: what is refused before the converter runs, the layer
 metadata check on small GGUF files written with the ``gguf`` package, and the export's plumbing around a stand-in
 converter (a script in a fake llama.cpp folder). The real converter and llama.cpp itself: tests/test_llama_cpp.py
 (-m slow)."""
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shift_lightning.checkpoint import save_adapters, save_pretrained
-from shift_lightning.gguf import GGUFError, check_layer_metadata, export_gguf
+from shift_lightning.export.gguf import GGUFError, check_layer_metadata, export_gguf
 from shift_lightning.errors import ConfigError, ShiftError
 from shift_lightning.maps.lra import AdapterSpec, LinearResidualAdapter
 from shift_lightning.models import build_tiny_model
@@ -50,7 +50,7 @@ def marked(tmp_path_factory) -> Path:
 @pytest.fixture
 def no_converter(monkeypatch):
     """Any attempt to find or run llama.cpp's converter fails the test (refusals come first)."""
-    import shift_lightning.gguf as g
+    import shift_lightning.export.gguf as g
 
     def never(*a, **k):
         raise AssertionError("the converter was reached")
@@ -378,7 +378,7 @@ def test_two_exports_into_one_new_file_never_replace_each_other(stock, tmp_path,
     file is kept beside, and the error says where."""
     from gguf import GGUFReader
 
-    from shift_lightning import gguf as g
+    from shift_lightning.export import gguf as g
     from shift_lightning.outputs import PublishConflict
 
     out = tmp_path / "race.gguf"

@@ -63,7 +63,7 @@ def test_smollm2_135m_pruned_by_a_quarter_without_repair(check, tmp_path):
 def test_a_folder_with_adapters_is_refused_by_the_check(check, tmp_path):
     """``--folder`` of a marked folder: the export refuses it in one line (nothing is converted)."""
     from shift_lightning.checkpoint import save_pretrained
-    from shift_lightning.gguf import GGUFError
+    from shift_lightning.export.gguf import GGUFError
     from shift_lightning.maps.lra import AdapterSpec, LinearResidualAdapter
     from shift_lightning.models import build_tiny_model
     from shift_lightning.maps.surgery import attach_adapters, remove_blocks
@@ -84,7 +84,7 @@ def test_gemma3_pruned_across_its_attention_pattern_runs_with_the_pattern_the_ex
     6-11 removed (the pattern kept, nothing written) match too."""
     from gguf import GGUFReader
 
-    from shift_lightning.gguf import export_gguf
+    from shift_lightning.export.gguf import export_gguf
 
     kw = dict(formats=("f32",), prompts=4, windows=2, out_dir=tmp_path / "out")
     bad = check.run_check(model="gemma3-270m", layers=[7, 8, 9, 10], name="g7-10", unchecked=True,

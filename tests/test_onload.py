@@ -240,7 +240,7 @@ def test_onloaded_run_saves_the_same_folder(folders, tmp_path, family, solver):
 def test_an_onloaded_stock_folder_exports_to_gguf(folders, tmp_path, fake_llama_cpp):
     """The stock repair with the kept-block re-fit, onloaded: the streamed folder is a plain Llama folder the GGUF
     export takes (the converter is tests/test_gguf.py's stand-in; llama.cpp's own: -m slow)."""
-    from shift_lightning.gguf import check_layer_metadata, export_gguf
+    from shift_lightning.export.gguf import check_layer_metadata, export_gguf
 
     _run(folders["llama"], "onload", tmp_path / "onl", "stock", layers=(1, 3), refit_kept=1)
     config = json.loads((tmp_path / "onl" / "config.json").read_text())

@@ -101,7 +101,7 @@ def test_crash_between_the_renames_is_repaired_on_the_next_start(tmp_path, monke
     assert not out.exists() and any(n.startswith(".run.old-") for n in _hidden(tmp_path))  # what a kill leaves
     if exchange:
         monkeypatch.undo()  # the next start may have the atomic exchange again
-    monkeypatch.setattr("shift_lightning.ownership.alive", lambda *a: False)  # the killed process is gone
+    monkeypatch.setattr("shift_lightning.outputs.ownership.alive", lambda *a: False)  # the killed process is gone
     prepare_output(out, overwrite=True)  # the next start
     assert (out / "result.txt").read_text() == "old" and _hidden(tmp_path) == []
     publish_dir(out, _write("new"))
@@ -130,7 +130,7 @@ def test_leftovers_of_crashed_runs_are_cleaned(tmp_path):
     import socket
     import subprocess
 
-    from shift_lightning.ownership import OWNER
+    from shift_lightning.outputs.ownership import OWNER
 
     dead = subprocess.Popen(["true"])
     dead.wait()  # a process that made them and is gone

@@ -4,7 +4,7 @@ One test per case (grouped where one rule covers several). The three rules:
 
 * what a folder may ask for (:func:`shift_lightning.remote_code.trust_kwargs`): nothing a folder says
   turns remote code on;
-* what the tool may delete (:mod:`shift_lightning.ownership`): a leftover is recognised by an owner
+* what the tool may delete (:mod:`shift_lightning.outputs.ownership`): a leftover is recognised by an owner
   file written inside it and a dead owner, never by its name alone;
 * non-finite is never success (:mod:`shift_lightning.finite`): a non-finite metric or weight ends
   the run with one error line and exit 2.
@@ -116,7 +116,7 @@ def test_an_adapter_only_record_cannot_turn_on_the_base_folders_code(tmp_path, m
 def _live_owner(folder: Path, proc: subprocess.Popen) -> None:
     import socket
 
-    from shift_lightning.ownership import OWNER, _start_time
+    from shift_lightning.outputs.ownership import OWNER, _start_time
 
     (folder / OWNER).write_text(json.dumps({"pid": proc.pid, "host": socket.gethostname(),
                                             "started": _start_time(proc.pid)}))
@@ -357,7 +357,7 @@ def test_the_calibration_is_not_reused_after_its_data_file_changed(tmp_path, cap
 
 def test_the_calibration_key_follows_the_base_weights(saved, tmp_path):
     from shift_lightning.data import TextDataConfig
-    from shift_lightning.fingerprints import input_digest
+    from shift_lightning.outputs.fingerprints import input_digest
     from shift_lightning.models import ModelConfig, build_tiny_model
 
     base = tmp_path / "base"

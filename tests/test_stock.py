@@ -309,7 +309,7 @@ def test_stock_lora_peft_adapter_sits_on_the_plain_stock_base(stock_lora):
 def test_stock_lora_folder_exports_to_gguf_with_the_converter(stock_lora, tmp_path, fake_llama_cpp):
     """The export's own checks (a plain folder, weights, tokenizer) pass and its layer metadata check agrees; the
     converter is tests/test_gguf.py's stand-in (llama.cpp's own one: tests/test_llama_cpp.py, -m slow)."""
-    from shift_lightning.gguf import check_layer_metadata, export_gguf
+    from shift_lightning.export.gguf import check_layer_metadata, export_gguf
     from shift_lightning.recipes import gguf as recipe
 
     out = export_gguf(stock_lora, tmp_path / "stock.q8_0.gguf", "q8_0", llama_cpp=fake_llama_cpp)

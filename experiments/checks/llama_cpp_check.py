@@ -9,7 +9,7 @@ or a tiny random Llama (``tiny``: hidden 64, 4 blocks, the real SmolLM2 tokenize
 block 2 removed) and saves it with :func:`shift_lightning.checkpoint.save_pretrained` (a plain HF folder).
 ``--folder`` takes a folder saved already (e.g. one repaired with ``--calibration.solver stock``); a folder with
 adapters is refused by the export, in one line. For each ``--formats`` (default f32, f16, q8_0) the folder is
-exported with :func:`shift_lightning.gguf.export_gguf` (its layer metadata checked), loaded with
+exported with :func:`shift_lightning.export.gguf.export_gguf` (its layer metadata checked), loaded with
 ``llama_cpp.Llama(..., logits_all=True)`` and compared with ``shift_lightning.load_pretrained(folder)`` in float32:
 
 * greedy continuations: ``--new_tokens`` (16) tokens after each of ``--prompts`` (20) prompts, the first
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from shift_lightning.errors import ShiftError
-from shift_lightning.gguf import (LLAMA_CPP_PYTHON, SDIST, GGUFError, check_folder, check_layer_metadata, find_converter,
+from shift_lightning.export.gguf import (LLAMA_CPP_PYTHON, SDIST, GGUFError, check_folder, check_layer_metadata, find_converter,
                                   run_converter, export_gguf,
                                   llama_cpp_cache)
 from shift_lightning.outputs import write_json_atomic, write_text_atomic
@@ -84,7 +84,7 @@ def build_wheel(cache: Path) -> Path:
     a time (a lock file); about 1.5 h on 2 busy cores here."""
     import fcntl
 
-    from shift_lightning.gguf import find_converter
+    from shift_lightning.export.gguf import find_converter
 
     if importlib.util.find_spec("scikit_build_core") is None:
         raise ShiftError("Building llama-cpp-python needs scikit-build-core: pip install scikit-build-core cmake")
@@ -384,7 +384,7 @@ def command_line(folder, model, name, formats, layers) -> str:
 
 
 def _blocks(ids: list[int]) -> str:
-    from shift_lightning.gguf import _ranges
+    from shift_lightning.export.gguf import _ranges
 
     return f"block{'s' if len(ids) > 1 else ''} {_ranges(sorted(ids))}"
 

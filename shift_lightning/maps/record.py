@@ -49,7 +49,7 @@ class ShiftSpec:
     recovered: bool | None = None
     recovery_steps: int | None = None
     base_fingerprint: str | None = None
-    """Adapter-only folders: :func:`~shift_lightning.fingerprints.weights_fingerprint` of the base the maps were fitted
+    """Adapter-only folders: :func:`~shift_lightning.outputs.fingerprints.weights_fingerprint` of the base the maps were fitted
     on; loading them onto a base with other weights is refused."""
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)

@@ -29,7 +29,7 @@ from ..config import default_heldout
 from ..errors import ConfigError
 from ..models import ModelConfig, num_params
 from ..evaluation.heldout import HeldoutCloseness
-from ..fingerprints import weights_fingerprint
+from ..outputs.fingerprints import weights_fingerprint
 from ..outputs import prepare_output, publish_dir
 from ..placement import original_copy, placement_of
 from ..progress import with_stage_progress

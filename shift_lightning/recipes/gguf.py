@@ -9,7 +9,7 @@
 checkout) or, by default, of the llama.cpp vendored in llama-cpp-python's source archive (fetched once
 into ``~/.cache/shift_lightning/llama_cpp``). The written file's ``<arch>.block_count``, ``blk.N.*``
 tensors and per-layer metadata arrays are checked against the folder's ``num_hidden_layers``
-(:mod:`shift_lightning.gguf`). ``python -m shift_lightning.recipes.gguf --help`` lists the options.
+(:mod:`shift_lightning.export.gguf`). ``python -m shift_lightning.recipes.gguf --help`` lists the options.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def check(cfg: GGUFExportConfig) -> None:
     from pathlib import Path
 
     from ..errors import UsageError
-    from ..gguf import GGUFError, check_folder, check_outtype
+    from ..export.gguf import GGUFError, check_folder, check_outtype
 
     if not cfg.model:
         raise UsageError("--model is required: the saved folder to export")
@@ -58,7 +58,7 @@ def run(cfg: GGUFExportConfig):
     import json
     from pathlib import Path
 
-    from ..gguf import check_layer_metadata, export_gguf
+    from ..export.gguf import check_layer_metadata, export_gguf
 
     sys.stderr.write(f"Converting {cfg.model} to {cfg.outtype} with llama.cpp's convert_hf_to_gguf.py …\n")
     path = export_gguf(cfg.model, cfg.out, cfg.outtype, cfg.llama_cpp, cfg.overwrite)

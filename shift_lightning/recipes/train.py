@@ -36,12 +36,12 @@ from ..criteria import PruneConfig
 from ..config import default_heldout
 from ..data import CALIBRATION_SOURCE, TextDataConfig, build_windows
 from ..errors import ConfigError
-from ..export import export_recovered
+from ..export.merged import export_recovered
 from ..evaluation.runner import EvalConfig
 from ..models import ModelConfig
 from ..outputs import prepare_output, publish_dir
 from ..finite import check_trained
-from ..fingerprints import input_digest, read_key
+from ..outputs.fingerprints import input_digest, read_key
 from ..precheck import check_training
 from ..remote_code import base_model_settings
 from ..reports import RecoveryReport

@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError, ShiftError
+from ..errors import ConfigError, ShiftError
 from .gguf_converter import (CONVERTER, LLAMA_CPP_PYTHON, SDIST, GGUFError, check_converter_deps,  # noqa: F401
                              find_converter, llama_cpp_cache, run_converter)
 
@@ -66,7 +66,7 @@ def check_outtype(outtype: str) -> str:
 def check_folder(folder: str | Path) -> dict:
     """The folder's ``config.json`` if it is a stock HF folder llama.cpp can convert; one line naming
     the fix otherwise (a marked folder, an adapter-only folder, missing weights or tokenizer)."""
-    from .remote_code import is_marked
+    from ..remote_code import is_marked
 
     folder = Path(folder).expanduser()
     if not folder.is_dir():
@@ -108,7 +108,7 @@ def check_folder(folder: str | Path) -> dict:
 
 
 def _check_outfile(outfile: Path, overwrite: bool) -> None:
-    from .outputs import check_writable
+    from ..outputs import check_writable
 
     if outfile.is_dir():
         raise GGUFError(f"--out {outfile} is a folder; name the .gguf file to write")
@@ -304,7 +304,7 @@ def export_gguf(folder: str | Path, outfile: str | Path, outtype: str = "f16", l
     llama-cpp-python's sdist, cached), write the folder's per-layer attention pattern where llama.cpp would
     otherwise assume another (:func:`write_attention_pattern`), check the written file's layer metadata
     against the folder and publish it atomically. Returns ``outfile``. Never replaces an existing file unless ``overwrite``."""
-    from .outputs import is_write_failure, publish_file, write_failure_reason
+    from ..outputs import is_write_failure, publish_file, write_failure_reason
 
     check_outtype(outtype)
     folder = Path(folder).expanduser()

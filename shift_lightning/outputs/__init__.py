@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .errors import ShiftError
+from ..errors import ShiftError
 from .fingerprints import edited_entries, file_fingerprints
 from .ownership import OWNER, abandoned_folder, claim
 
@@ -75,7 +75,7 @@ def is_ours(path: Path) -> bool:
 
 
 def _leftovers(out: Path) -> tuple[list[Path], list[Path]]:
-    """The abandoned work folders of ``out`` (:func:`~shift_lightning.ownership.abandoned_folder`: an
+    """The abandoned work folders of ``out`` (:func:`~shift_lightning.outputs.ownership.abandoned_folder`: an
     owner file inside and a dead owner; a folder merely named like one is not)."""
     if not out.parent.is_dir():
         return [], []

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from torch import nn
 
-from .arch import base_model
-from .card import CardFacts, peft_card
-from .checkpoint import save_pretrained
-from .maps.surgery import adapter_set
+from ..arch import base_model
+from ..card import CardFacts, peft_card
+from ..checkpoint import save_pretrained
+from ..maps.surgery import adapter_set
 
 BASE_DIR, LORA_DIR = "base", "lora"
 

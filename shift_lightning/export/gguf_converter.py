@@ -1,4 +1,4 @@
-"""llama.cpp's own GGUF converter: where it comes from and how it runs (for :mod:`shift_lightning.gguf`).
+"""llama.cpp's own GGUF converter: where it comes from and how it runs (for :mod:`shift_lightning.export.gguf`).
 
 By default the converter is the one vendored in the ``llama-cpp-python`` source archive (fetched once with
 ``pip download`` into the cache and extracted there); ``--llama_cpp`` names a llama.cpp checkout instead. It runs
@@ -16,7 +16,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from .errors import ShiftError
+from ..errors import ShiftError
 
 #: The llama-cpp-python release whose sdist vendors the llama.cpp converter used by default.
 LLAMA_CPP_PYTHON = "0.3.36"
@@ -31,7 +31,7 @@ class GGUFError(ShiftError):
 
 def llama_cpp_cache() -> Path:
     """Where the llama-cpp-python sdist (and its extracted llama.cpp) and wheel are cached."""
-    from .assets import cache_root
+    from ..assets import cache_root
 
     return cache_root() / "llama_cpp"
 

@@ -104,7 +104,7 @@ def weights_fingerprint(model) -> str:
     files (:mod:`~shift_lightning.placement`), a few kB each."""
     import torch
 
-    from .placement import placement_of
+    from ..placement import placement_of
 
     placement = placement_of(model)
     h = hashlib.sha256()
