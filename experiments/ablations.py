@@ -277,7 +277,7 @@ def _run_criterion(cfg: AblationConfig, ctx: harness.GridContext, runs: harness.
 
 
 def rerun_command(cfg: AblationConfig) -> str:
-    from shift_lightning.recipes.cli import rerun_command as command
+    from experiments.cli import rerun_command as command
 
     return command("experiments.ablations", cfg, skip=("out", "render_only", "fill"))
 
@@ -287,7 +287,7 @@ def render(folder: Path, cfg: AblationConfig) -> None:
 
 
 def main(argv: list[str] | None = None):
-    from shift_lightning.recipes.cli import dataclass_main
+    from experiments.cli import dataclass_main
 
     def go(cfg: AblationConfig):
         out = run(cfg)

@@ -111,13 +111,13 @@ def _run(cfg: SweepConfig, ctx: harness.GridContext, runs: harness.RunFolder, cr
 
 
 def rerun_command(cfg: SweepConfig) -> str:
-    from shift_lightning.recipes.cli import rerun_command as command
+    from experiments.cli import rerun_command as command
 
     return command("experiments.closeness_sweep", cfg)
 
 
 def main(argv: list[str] | None = None):
-    from shift_lightning.recipes.cli import dataclass_main
+    from experiments.cli import dataclass_main
 
     def go(cfg: SweepConfig):
         out = run(cfg)

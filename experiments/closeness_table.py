@@ -117,7 +117,7 @@ def _largest_drop(run: dict, pruned: dict, original: dict) -> dict | None:
 
 def model_rows(cfg: ClosenessTableConfig, model: str) -> dict | None:
     """Rows and target counts for one model; ``None`` when the wiki grid has no original row."""
-    from shift_lightning.evaluation.summary import Bootstrap
+    from experiments.summary import Bootstrap
 
     key = model_key(model)
     grids = {g: load_runs(Path(folder) / key) for g, folder in cfg.grids.items()}
@@ -362,7 +362,7 @@ def render(cfg: ClosenessTableConfig) -> Path:
 
 
 def main(argv: list[str] | None = None):
-    from shift_lightning.recipes.cli import dataclass_main
+    from experiments.cli import dataclass_main
 
     def go(cfg: ClosenessTableConfig):
         out = render(cfg)

@@ -114,7 +114,7 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None):
-    from shift_lightning.recipes.cli import dataclass_main
+    from experiments.cli import dataclass_main
 
     def go(cfg: CompareConfig):
         doc = run(cfg)

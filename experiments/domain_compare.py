@@ -64,7 +64,7 @@ def _pruned(grids: tuple[dict, ...], crit: str, layers: list[int]) -> dict | Non
 
 
 def compare(cfg: DomainCompareConfig) -> dict:
-    from shift_lightning.evaluation.summary import Bootstrap
+    from experiments.summary import Bootstrap
 
     key = model_key(cfg.model)
     runs_a, runs_b = load_runs(Path(cfg.a) / key), load_runs(Path(cfg.b) / key)
@@ -156,7 +156,7 @@ def render(cfg: DomainCompareConfig) -> Path:
 
 
 def main(argv: list[str] | None = None):
-    from shift_lightning.recipes.cli import dataclass_main
+    from experiments.cli import dataclass_main
 
     def go(cfg: DomainCompareConfig):
         out = render(cfg)

@@ -322,7 +322,6 @@ def add_closeness(ctx: GridContext, runs: RunFolder, name: str, res: dict) -> No
 def corrected(model: nn.Module, correction, num_layers: int, removed: list[int]) -> Iterator[nn.Module]:
     """``model`` (already pruned) with ``correction`` applied for the length of the ``with``;
     afterwards the adapters are detached and ReplaceMe's folded maps undone, exactly."""
-    from shift_lightning.maps.peers import unfold_replaceme
     from shift_lightning.maps.surgery import apply_correction, detach_adapters
 
     if correction is None:
@@ -339,7 +338,7 @@ def corrected(model: nn.Module, correction, num_layers: int, removed: list[int])
         detach_adapters(model)
         if correction.branch_maps or correction.down_maps:
             for j, block in enumerate(decoder_layers(model)):
-                unfold_replaceme(block, saved.get(j))
+                _unfold_replaceme(block, saved.get(j))
         if stock is not None:
             _restore_stock(model, stock)
 
@@ -357,3 +356,14 @@ def _restore_stock(model: nn.Module, st: dict) -> None:
     if st["head"] is not None:
         model.get_output_embeddings().weight = st["head"]
     model.config.tie_word_embeddings = st["tie"]
+
+
+def _unfold_replaceme(block, original_down: torch.Tensor | None) -> None:
+    """Undo :func:`shift_lightning.maps.peers.fold_replaceme` (``original_down``: the saved ``down_proj.weight``)."""
+    from shift_lightning.maps.peers import BranchMap
+
+    if isinstance(getattr(block, "post_feedforward_layernorm", None), BranchMap):
+        block.post_feedforward_layernorm = block.post_feedforward_layernorm.norm
+    elif original_down is not None:
+        with torch.no_grad():
+            block.mlp.down_proj.weight.copy_(original_down)

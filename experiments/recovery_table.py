@@ -266,7 +266,7 @@ def run(cfg: RecoveryTableConfig) -> Path:
 
 
 def rerun_command(cfg: RecoveryTableConfig) -> str:
-    from shift_lightning.recipes.cli import rerun_command as command
+    from experiments.cli import rerun_command as command
 
     return command("experiments.recovery_table", cfg)
 
@@ -276,7 +276,7 @@ def render(out: Path, cfg: RecoveryTableConfig) -> None:
 
 
 def main(argv: list[str] | None = None):
-    from shift_lightning.recipes.cli import dataclass_main
+    from experiments.cli import dataclass_main
 
     def go(cfg: RecoveryTableConfig):
         out = run(cfg)

@@ -164,7 +164,7 @@ class ReproduceConfig:
 
 
 def rerun_command(cfg: ReproduceConfig) -> str:
-    from shift_lightning.recipes.cli import rerun_command as command
+    from experiments.cli import rerun_command as command
 
     return command("experiments.reproduce", cfg, skip=("out", "render_only", "grid", "fill", "pruned_from",
                                                                    "original_from"))
@@ -567,7 +567,7 @@ def reproduce_parser():
 
 
 def main(argv: list[str] | None = None):
-    from shift_lightning.recipes.cli import dataclass_main
+    from experiments.cli import dataclass_main
 
     def go(cfg: ReproduceConfig):
         out = run(cfg)

@@ -124,7 +124,7 @@ def fit_kappa(kl: np.ndarray, robust: np.ndarray, curve: str = "hyperbolic") -> 
 
 def grid_rows(cfg: RobustVsKLConfig, model: str) -> tuple[list[dict], object] | None:
     """The distinct rows of both grids with their Robust point and resamples; ``None`` without an original."""
-    from shift_lightning.evaluation.summary import Bootstrap, task_vectors
+    from experiments.summary import Bootstrap, task_vectors
 
     key = model_key(model)
     named, labels = {}, {}
@@ -364,7 +364,7 @@ def render(cfg: RobustVsKLConfig) -> Path:
 
 
 def main(argv: list[str] | None = None):
-    from shift_lightning.recipes.cli import dataclass_main
+    from experiments.cli import dataclass_main
 
     def go(cfg: RobustVsKLConfig):
         out = render(cfg)

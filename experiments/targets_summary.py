@@ -209,7 +209,7 @@ def render(cfg: TargetsSummaryConfig) -> Path:
 
 
 def main(argv: list[str] | None = None):
-    from shift_lightning.recipes.cli import dataclass_main
+    from experiments.cli import dataclass_main
 
     def go(cfg: TargetsSummaryConfig):
         out = render(cfg)

@@ -143,7 +143,7 @@ def main(argv=None):
 def evaluate(a, crit: str, layers: list[int], doc: dict, land, trainer, n: int) -> None:
     """Score the held-out choice (re-fitted on all ``--samples`` windows, on the grid's joint map) as the grid scores
     a row."""
-    from shift_lightning.evaluation.summary import Bootstrap
+    from experiments.summary import Bootstrap
     from experiments import harness
     from experiments.reproduce import ReproduceConfig, eval_config
 

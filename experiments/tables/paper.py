@@ -55,7 +55,7 @@ def table_rows(folder: Path, n_boot: int = 2000, runs: dict[tuple, dict] | None 
 
     ``runs``: :func:`load_runs` of ``folder`` when the caller already has it (each file is read once).
     """
-    from shift_lightning.evaluation.summary import Bootstrap
+    from experiments.summary import Bootstrap
 
     runs = load_runs(folder) if runs is None else runs
     if (None, "original") not in runs:

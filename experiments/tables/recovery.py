@@ -229,7 +229,7 @@ def render_before_after(out: Path, cfg, labels: dict[str, str], runs: dict[tuple
 def _robust_before_after(runs: dict) -> dict:
     """``(key, "before" | "after")`` -> Robust with its 95% interval, against the original of each run's paper grid
     (scored on the same docs)."""
-    from shift_lightning.evaluation.summary import Bootstrap
+    from experiments.summary import Bootstrap
 
     groups: dict[Path, dict] = {}
     for k, d in runs.items():
@@ -263,7 +263,7 @@ def _commands(runs: dict) -> str:
 def _robust(paper: Path, runs: dict, ref: dict) -> dict[str, dict]:
     """Robust summary (share of the original's above-chance accuracy kept, with a 95% bootstrap
     interval) of every run, against the paper grid's original model scored on the same docs."""
-    from shift_lightning.evaluation.summary import Bootstrap
+    from experiments.summary import Bootstrap
 
     orig = paper / "original.json"
     if not orig.exists():

@@ -94,7 +94,7 @@ def test_an_interval_bound_that_is_zero_up_to_float_noise_is_zero():
     [−3.5, −1.3e-16] was counted as harm). Real bounds, however small, stay."""
     import numpy as np
 
-    from shift_lightning.evaluation.summary import _ci
+    from experiments.summary import _ci
     from experiments.tables.common import fmt_change
 
     noisy = (np.array([0.1, 0.2, 0.7]) - np.array([0.3, 0.2, 0.5])).sum() / 7  # exactly 0, ≈ 1e-17 in floats

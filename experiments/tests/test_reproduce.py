@@ -399,7 +399,7 @@ def test_domain_comparison_of_two_grids(tmp_path):
     pruned = json.loads((tmp_path / "a" / "tiny" / "reverse_star" / "pruned.json").read_text())["kl"]
     assert lra["kl_pruned"] == {"a": pruned, "b": pruned}  # the same blocks: one pruned reference for both
     # the harm test: each side against pruning alone, paired on the same docs
-    from shift_lightning.evaluation.summary import Bootstrap
+    from experiments.summary import Bootstrap
 
     runs = {n: json.loads((tmp_path / g / "tiny" / "reverse_star" / f"{v}.json").read_text())
             for n, g, v in (("p", "a", "pruned"), ("b", "b", "lra"))}

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shift_lightning.evaluation.summary import Bootstrap
+from experiments.summary import Bootstrap
 from experiments.robust_vs_kl import (CURVES, RobustVsKLConfig, fit_kappa, grid_rows, render, spearman)
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -110,7 +110,7 @@ def test_avg_change_splits_into_the_move_back_towards_the_original_and_the_rest(
     what pruning changed; a move past the original, or away from it, is the rest (paired intervals)."""
     import numpy as np
 
-    from shift_lightning.evaluation.summary import Bootstrap, back_towards
+    from experiments.summary import Bootstrap, back_towards
 
     # boolq falls past the original (-0.205 back, -0.015 past), arc rises short of it (+0.02 back),
     # piqa falls away from it (-0.03 rest), hs moves where pruning had not moved it (+0.01 rest)

@@ -4,7 +4,7 @@ prompts for closeness), scores a unit, and writes each doc's metrics into dense 
 vectors (identical doc order on every rank). Each doc is scored on exactly one rank, so a plain sum
 across ranks gives every rank the full per-doc vectors: the results equal a 1-process run, and the
 per-doc outcomes (paired across models scored on the same docs) feed bootstrap intervals
-(:mod:`shift_lightning.evaluation.summary`). Driving it over ranks: :mod:`.runner`."""
+(the research tables' `experiments/summary.py`). Driving it over ranks: :mod:`.runner`."""
 
 from __future__ import annotations
 

@@ -191,12 +191,3 @@ def fold_replaceme(block: nn.Module, T: torch.Tensor) -> None:
         lin.weight.copy_((T.to(W).T @ W).to(lin.weight.dtype))
         if lin.bias is not None:
             lin.bias.copy_((lin.bias.double() @ T.to(W)).to(lin.bias.dtype))
-
-
-def unfold_replaceme(block: nn.Module, original_down: torch.Tensor | None) -> None:
-    """Undo :func:`fold_replaceme` (``original_down``: the saved ``down_proj.weight``)."""
-    if isinstance(getattr(block, "post_feedforward_layernorm", None), BranchMap):
-        block.post_feedforward_layernorm = block.post_feedforward_layernorm.norm
-    elif original_down is not None:
-        with torch.no_grad():
-            block.mlp.down_proj.weight.copy_(original_down)

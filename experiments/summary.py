@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ConfigError
+from shift_lightning.errors import ConfigError
 
 
 def task_vectors(result: dict) -> dict[str, np.ndarray]:
