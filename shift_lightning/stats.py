@@ -249,7 +249,8 @@ class RidgeStats:
         ``‖Δ‖² − 2 tr(BᵀC) + tr(BᵀGB)`` with ``B = [Wᵀ; bᵀ]``."""
         B = torch.cat([W.T, b[None]], dim=0).to(torch.float64)
         yy = self.yy.item()
-        sse = yy - 2 * (B * self.C).sum().item() + (B * (self.G @ B)).sum().item()
+        GB = self.G @ B
+        sse = yy - 2 * (B * self.C).sum().item() + GB.mul_(B).sum().item()  # in place: one temporary fewer
         return max(sse, 0.0) / yy if yy > 0 else float("nan")
 
 
@@ -351,9 +352,11 @@ def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = Non
             f"{int(n.item())} tokens). Increase --calibration.damping (e.g. {max(damping * 100, 1e-4):g}) or use "
             "more calibration tokens."
         )
+    k = groups[0]                                      # the rank constrains these rows of B (all without groups)
+    if rank is None or rank >= k or k == d:            # H is not read again: freed before the solve copies L and Sxy
+        del H, Sxx, diag
     B = torch.cholesky_solve(Sxy, L)                   # Wᵀ = (XᵀX + λI)⁻¹ XᵀΔ   (d, d_out)
     U = V = None
-    k = groups[0]                                      # the rank constrains these rows of B (all without groups)
     if rank is not None and rank < k:
         A = B[:k]
         if k == d:
