@@ -423,17 +423,22 @@ def base_rss_anon() -> int:
 
 
 def predicted_peak(cfg, solver: str, removed: list[int], windows: int, seq_len: int, batch: int,
-                   dtype_bytes: int, base: int) -> dict:
+                   dtype_bytes: int, base: int, heldout: int = 0, chunk: int = 128) -> dict:
     """Peak memory of one rank from the formula of docs/larger-than-memory.md: the process, plus the largest of
-    the phases (caching: the embedding table; walk: one block, the states, one batch's activations, the sums of
-    the site being walked and the solutions before it; solve (between blocks): a site's sums, its solve's three
-    (d_in+1)² float64 matrices and the solutions before it; held-out: one block, the states,
-    the solutions and their adapters; save: one block or one top-level tensor, and the merged maps)."""
+    the phases (caching: the states, a batch's embedding rows; walk: one block, the states, one batch's activations,
+    the sums of the site being walked and the solutions before it; solve (between blocks): a site's sums, the
+    solutions before it and its solve's Cholesky factor, the solve's copy of it, the right-hand side and the solution;
+    errors: the held-out errors' walk, one block and the solutions; report: the held-out report's walk, one block,
+    three streams, the maps and a fold into the block's down_proj; head: the report's LM head, the maps and a chunk
+    of logits twice; save: one block or one top-level tensor, and the maps). ``heldout``: held-out windows (0: no
+    errors or report); ``chunk``: the report's positions of logits at a time."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     block = (2 * d * q + 2 * d * kv + 3 * d * f + 2 * d) * dtype_bytes
     states = windows * seq_len * d * dtype_bytes
-    acts = batch * seq_len * (3 * f + 4 * d + q + 2 * kv) * dtype_bytes  # one batch inside a block (MLP, attention)
+    held = heldout * seq_len * d * dtype_bytes
+    per_batch = seq_len * (3 * f + 4 * d + q + 2 * kv) * dtype_bytes  # one window inside a block (MLP, attention)
+    acts, acts_h = batch * per_batch, min(batch, heldout) * per_batch
     ridge = lambda din, dout: 8 * ((din + 1) ** 2 + (din + 1) * dout + 1)  # noqa: E731
     spans = []
     for i in sorted(removed):
@@ -442,22 +447,30 @@ def predicted_peak(cfg, solver: str, removed: list[int], windows: int, seq_len: 
         else:
             spans.append([i, i + 1])
     if solver == "lra":  # one site a removed block; the solution W (d x d) and b in float64
-        sites, solution, extra_states, d_in = [ridge(d, d)] * len(removed), 8 * (d * d + d), 0, d
+        sites, solution, extra_states, d_in = [ridge(d, d)] * len(removed), 8 * (d * d + d), 0, [d] * len(removed)
+        fold, branch = 0, 0
     elif solver == "lra_replaceme":  # one site a span: [x, m] (2d inputs) and x; the solution W, T
         sites = [ridge(2 * d, d) + ridge(d, d) if s >= 1 else ridge(d, d) for s, _ in spans]
-        solution, extra_states, d_in = 8 * (2 * d * d + d), 2 * states, 2 * d
+        solution, extra_states, d_in = 8 * (2 * d * d + d), 2 * states, [2 * d if s >= 1 else d for s, _ in spans]
+        fold = 2 * 8 * d * f + dtype_bytes * d * f  # ReplaceMe's T folded into down_proj: W in float64, Tᵀ W, the cast
+        branch = 8 * d * d  # the correction's T (float64) beside each span's adapter
     else:
         raise ValueError(f"no memory model for solver {solver!r}")
     # each site's sums are allocated at its first block and freed once solved after its last: the walk holds the
-    # sums of the site being walked and the solutions of the sites before it
+    # sums of the site being walked and the solutions of the sites before it; the solve, beside them, the Cholesky
+    # factor L of the damped Gram matrix and cholesky_solve's copy of it (d_in² each) and the right-hand side and the
+    # solution (d_in × d each; the Gram matrix is freed before the solve)
     walked = max(st + n * solution for n, st in enumerate(sites))
-    solved = max(st + n * solution + 3 * 8 * (d_in + 1) ** 2 for n, st in enumerate(sites))  # centred Gram, temp, L
-    maps = len(spans) * d * d * dtype_bytes  # the merged adapters the pruned model carries
-    phases = {"caching": v * d * dtype_bytes + states,
+    solved = max(st + n * solution + 2 * 8 * di * di + 2 * 8 * di * d for n, (st, di) in enumerate(zip(sites, d_in)))
+    maps = len(spans) * (d * d * dtype_bytes + branch)  # the correction: each span's adapter (and T)
+    phases = {"caching": batch * seq_len * d * dtype_bytes + states,
               "walk": block + states + extra_states + acts + walked,
-              "held-out": block + states + extra_states + acts + len(sites) * (solution + d * d * dtype_bytes),
               "solve": states + extra_states + solved,
-              "save": max(block, v * d * dtype_bytes) + maps}
+              "save": max(block + fold, v * d * dtype_bytes) + maps}
+    if heldout:
+        phases.update({"errors": block + held + acts_h + len(sites) * solution,
+                       "report": block + 3 * held + acts_h + maps + fold,
+                       "head": v * d * dtype_bytes + 6 * held + maps + 2 * chunk * v * 4})
     worst = max(phases, key=phases.get)
     return {"base_bytes": base, "phases_bytes": phases, "peak_phase": worst, "predicted_peak_bytes": base + phases[worst]}
 
@@ -593,7 +606,8 @@ def main(argv=None):
             res = run_job(a, model_dir, solver, run_dir, size)
             if res["pruned_layers"] is not None and solver in ("lra", "lra_replaceme"):
                 res["model"] = predicted_peak(cfg, solver, res["pruned_layers"], a.num_samples, a.seq_len, a.batch_size,
-                                              torch.empty((), dtype=getattr(torch, a.dtype)).element_size(), base)
+                                              torch.empty((), dtype=getattr(torch, a.dtype)).element_size(), base,
+                                              a.heldout_samples)
                 res["measured_over_predicted"] = res["peak_tree_rss_anon_bytes"] / res["model"]["predicted_peak_bytes"]
             doc["runs"].append(res)
             print(f"{solver}: {res['status']} in {res['wall_seconds']:.1f} s", flush=True)

@@ -211,7 +211,7 @@ class BlockCache:
         sink: dict = {}
         stubs = {j: _Recorder(j, sink, self.last) for j in range(self.last + 1)}
         inner = self.model.model
-        with self.placement.piece(inner.embed_tokens, "model.embed_tokens.", device), \
+        with self.placement.lookup(inner.embed_tokens, "model.embed_tokens.", device), \
                 swapped_blocks(self.model, stubs):
             if self.placement.onloaded:
                 self._buffers_to(device)

@@ -11,7 +11,8 @@ each piece as they reach it:
              memory-mapped safetensors files when the walk reaches it, cast to the run's dtype, moved to
              the device, used for every window and released again (parameters back on ``meta``). The
              page cache holds the file's pages, shared by every process of a node; a pass reads the model
-             once. Peak memory: one block's weights in the compute dtype, not the model's.
+             once. The input embedding is looked up, not read whole: a batch reads the rows of its token ids
+             (:meth:`Onloaded.lookup`). Peak memory: one block's weights in the compute dtype, not the model's.
 ``auto``     ``onload`` when the model is a local safetensors folder whose weights, in the run's dtype,
              would take more than half of the memory available now; ``memory`` otherwise.
 
@@ -59,6 +60,8 @@ class InMemory:
     @contextlib.contextmanager
     def piece(self, module: nn.Module, prefix: str, device=None) -> Iterator[nn.Module]:
         yield module
+
+    lookup = piece
 
 
 IN_MEMORY = InMemory()
@@ -120,6 +123,25 @@ class Onloaded:
             for r in range(0, shape[0], rows):
                 out[r:r + rows] = sl[r:r + rows].to(device=device, dtype=dtype)
         self.bytes_read += math.prod(shape) * _STORED_SIZE.get(sl.get_dtype(), 4)
+        return out
+
+    def gather(self, name: str, index: list[int], dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+        """Rows ``index`` (ascending, distinct) of a stored tensor, cast to ``dtype`` on ``device``: each run of
+        consecutive rows read and cast as one slice of the memory-mapped file (the same values as those rows of
+        :meth:`tensor`: a cast is elementwise)."""
+        name = self._stored_name(name)
+        sl = self._handle(self.files[name]).get_slice(name)
+        shape = sl.get_shape()
+        dtype, device = dtype or self.dtype, torch.device(device or "cpu")
+        out = torch.empty((len(index), *shape[1:]), dtype=dtype, device=device)
+        k = 0
+        while k < len(index):
+            e = k
+            while e + 1 < len(index) and index[e + 1] == index[e] + 1:
+                e += 1
+            out[k:e + 1] = sl[index[k]:index[e] + 1].to(device=device, dtype=dtype)
+            k = e + 1
+        self.bytes_read += out.numel() * _STORED_SIZE.get(sl.get_dtype(), 4)
         return out
 
     def rows(self, name: str, i: int) -> torch.Tensor:
@@ -185,6 +207,37 @@ class Onloaded:
             yield module
         finally:
             self.release(module)
+
+    @contextlib.contextmanager
+    def lookup(self, module: nn.Module, prefix: str, device=None) -> Iterator[nn.Module]:
+        """The input embedding ``module`` for the length of the ``with``, answering each forward with the rows it looks
+        up only: the call's distinct token ids are read from the files (:meth:`gather`) into a table of those rows and
+        the ids renumbered into it. The same vectors as :meth:`piece` gives, without the whole table in the compute
+        dtype (Llama-3's 128256 × 4096 in float32: 2.1 GB) for a batch's few hundred tokens. Read whole (:meth:`piece`)
+        when surgery folds or overrides it, or when it is not a plain ``nn.Embedding``."""
+        if self.folds.get(prefix) or self.overrides.get(prefix) or not isinstance(module, nn.Embedding) \
+                or module.max_norm is not None:
+            with self.piece(module, prefix, device) as m:
+                yield m
+            return
+        device = torch.device(device or "cpu")
+        meta, pad = module._parameters["weight"], module.padding_idx
+
+        def rows(mod, args, kwargs):
+            ids = args[0] if args else kwargs.pop("input")
+            index, renumbered = torch.unique(ids, return_inverse=True)  # ascending
+            table = self.gather(prefix + "weight", index.tolist(), device=device)
+            mod._parameters["weight"] = nn.Parameter(table, requires_grad=meta.requires_grad)
+            return (renumbered, *args[1:]), kwargs
+
+        handle = module.register_forward_pre_hook(rows, with_kwargs=True)
+        module.padding_idx = None  # the gradient's business only; the id may lie beyond the table of looked-up rows
+        try:
+            yield module
+        finally:
+            handle.remove()
+            module._parameters["weight"], module.padding_idx = meta, pad  # the skeleton's meta Parameter (a tied head's)
+            return_freed_memory()
 
     @contextlib.contextmanager
     def block(self, model: nn.Module, i: int, device=None) -> Iterator[nn.Module]:

@@ -147,6 +147,28 @@ def test_a_fold_changes_every_read_once(folders):
     assert torch.equal(reads[0], reads[1]) and torch.equal(reads[1], reads[2])
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3", "llama_tied"])
+def test_the_walk_reads_the_embedding_rows_it_looks_up(folders, family):
+    """Caching a batch reads only the embedding rows of its token ids (a run of consecutive ids in one slice), and the
+    state entering block 0 is the in-memory model's, bit for bit (Gemma3 scales the rows on lookup); afterwards the
+    table is the skeleton's meta Parameter again (a tied head's too), the padding id the config's."""
+    from shift_lightning.passes import BlockCache
+
+    mem, _ = load_model(ModelConfig(name_or_path=str(folders[family]), placement="memory"))
+    onl, _ = load_model(ModelConfig(name_or_path=str(folders[family]), placement="onload"))
+    pl, emb = placement_of(onl), onl.model.embed_tokens
+    table, pad = emb.weight, emb.padding_idx
+    ids = torch.tensor([[5, 6, 7, 40, 3, 40, 258], [258, 258, 9, 5, 6, 200, 201]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    got = BlockCache(onl, 2).cache_batch(batch, batch["attention_mask"].bool())["h"]
+    want = BlockCache(mem, 2).cache_batch(batch, batch["attention_mask"].bool())["h"]
+    assert torch.equal(got, want)
+    assert pl.bytes_read == ids.unique().numel() * mem.config.hidden_size * 4  # float32 files: 4 bytes a value
+    assert emb.weight is table and emb.weight.is_meta and emb.padding_idx == pad
+    if family == "llama_tied":
+        assert onl.get_output_embeddings().weight is emb.weight
+
+
 def decoder_layers_of(model):
     return model.model.layers
 

@@ -72,12 +72,14 @@ class HeldoutCloseness(DataPass):
         W, b = (t.to(h.device, torch.float64) for t in self.correction.embedding)
         return (h.double() + h.double() @ W.T + b).to(h.dtype)
 
-    def _repaired_block(self, block: nn.Module, j: int) -> nn.Module:
-        """Block ``j`` as the repaired model has it: a copy with its folds, or the block itself."""
+    def _repaired_block(self, block: nn.Module, j: int, in_place: bool = False) -> nn.Module:
+        """Block ``j`` as the repaired model has it: a copy with its folds, or the block itself (``in_place``: the block
+        itself, folded: an onloaded block's weights are read again from the files the next time, so that the fold
+        changes nothing beyond this pass and no second copy of the block is held beside it)."""
         T, down = self.correction.branch_maps.get(j), self.correction.down_maps.get(j)
         if T is None and down is None:
             return block
-        out = copy.deepcopy(block)
+        out = block if in_place else copy.deepcopy(block)
         if T is not None:
             fold_replaceme(out, T)
         if down is not None:
@@ -99,9 +101,13 @@ class HeldoutCloseness(DataPass):
                 for e in entries:
                     e["o"] = run(block, j, e, e["o"])
                 if j not in self.removed:
-                    repaired, adapter = self._repaired_block(block, j), self._adapter(position)
                     for e in entries:
                         e["p"] = run(block, j, e, e["p"])
+                    # onloaded, a fold into down_proj changes the block's weights in place (read again next time); a
+                    # map around Gemma3's post-MLP norm changes the module (the skeleton's): on a copy
+                    in_place = placement.onloaded and not hasattr(block, "post_feedforward_layernorm")
+                    repaired, adapter = self._repaired_block(block, j, in_place), self._adapter(position)
+                    for e in entries:
                         r = e["r"] if adapter is None else adapter(e["r"])
                         e["r"] = run(repaired, j, e, r)
                     del repaired

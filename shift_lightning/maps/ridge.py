@@ -249,7 +249,8 @@ class RidgeStats:
         ``‖Δ‖² − 2 tr(BᵀC) + tr(BᵀGB)`` with ``B = [Wᵀ; bᵀ]``."""
         B = torch.cat([W.T, b[None]], dim=0).to(torch.float64)
         yy = self.yy.item()
-        sse = yy - 2 * (B * self.C).sum().item() + (B * (self.G @ B)).sum().item()
+        GB = self.G @ B
+        sse = yy - 2 * (B * self.C).sum().item() + GB.mul_(B).sum().item()  # in place: one temporary fewer
         return max(sse, 0.0) / yy if yy > 0 else float("nan")
 
 
@@ -331,10 +332,13 @@ def ridge_solve(stats: RidgeStats, damping: float = 1e-4, rank: int | None = Non
             f"{int(n.item())} tokens). Increase --calibration.damping (e.g. {max(damping * 100, 1e-4):g}) or use "
             "more calibration tokens."
         )
+    low_rank = rank is not None and rank < groups[0]   # the rank constrains B's first group's rows
+    if not low_rank or groups[0] == d:                 # H is not read again: freed before the solve copies L and Sxy
+        del H, Sxx
     B = torch.cholesky_solve(Sxy, L)                   # Wᵀ = (XᵀX + λI)⁻¹ XᵀΔ   (d, d_out)
     U = V = None
-    if rank is not None and rank < groups[0]:          # the rank constrains B's first group's rows
-        B, U, V = _reduce_rank(B, H, Sxy, groups[0], rank)
+    if low_rank:
+        B, U, V = _reduce_rank(B, H if groups[0] != d else None, Sxy, groups[0], rank)
     W = B.T.contiguous()
     b = my - W @ mx
     return Solution(W, b, U, V, float(lams[0]), kind)
@@ -364,9 +368,10 @@ def _centred(stats: RidgeStats, kind: str, bias: bool, dtype: torch.dtype):
     return Sxx, Sxy, mx, my, n
 
 
-def _reduce_rank(B: torch.Tensor, H: torch.Tensor, Sxy: torch.Tensor, k: int, rank: int):
+def _reduce_rank(B: torch.Tensor, H: torch.Tensor | None, Sxy: torch.Tensor, k: int, rank: int):
     """The reduced-rank fit (module doc): ``B``'s first ``k`` rows ``A`` replaced by their best rank-``rank``
-    approximation in ``H``'s metric, ``A' = V Uᵀ``; the other rows refitted given ``A'``. Returns ``(B', U, V)``."""
+    approximation in ``H``'s metric, ``A' = V Uᵀ``; the other rows refitted given ``A'`` (``H`` is read only when ``k`` is
+    not all of them: None otherwise). Returns ``(B', U, V)``."""
     A, d = B[:k], B.shape[0]
     if k == d:
         M = A.T @ Sxy                                  # Aᵀ H A   (d_out, d_out), symmetric PSD
