@@ -227,7 +227,7 @@ def run(cfg: RecoveryTableConfig) -> Path:
                 before[with_lra] = harness.row_doc(ctx.evaluate(model.eval()))
                 t_before = time.time() - t0
             spec = {"original_num_layers": n, "pruned_layers": layers, "criterion": crit,
-                    "correction": cfg.repair if with_lra else "none"}
+                    "solver": cfg.repair if with_lra else "none"}
             rec = RecoveryConfig(method=method, train_lra=train_lra, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, loss=loss,
                                  lr=cfg.lr if method == "lora" else cfg.lr / 10, lra_lr=cfg.lra_lr,
                                  warmup_steps=max(cfg.steps // 20, 1), seed=cfg.seed)

@@ -24,7 +24,7 @@ from shift_lightning.recipes import gguf as recipe
 from shift_lightning.maps.surgery import attach_adapters, remove_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC = {"original_num_layers": 4, "pruned_layers": [2], "criterion": "explicit", "correction": "none"}
+SPEC = {"original_num_layers": 4, "pruned_layers": [2], "criterion": "explicit", "solver": "none"}
 
 
 def _pruned(adapter: bool = False):
@@ -44,7 +44,7 @@ def stock(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def marked(tmp_path_factory) -> Path:
     model, tok = _pruned(adapter=True)
-    return save_pretrained(model, tok, tmp_path_factory.mktemp("marked") / "lra", {**SPEC, "correction": "lra"})
+    return save_pretrained(model, tok, tmp_path_factory.mktemp("marked") / "lra", {**SPEC, "solver": "lra"})
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_a_marked_folder_is_refused_naming_the_fix(marked, tmp_path, no_converte
 
 def test_an_adapter_only_folder_and_incomplete_folders_are_refused(stock, tmp_path, no_converter):
     model, tok = _pruned(adapter=True)
-    only = save_adapters(model, tok, tmp_path / "only", {**SPEC, "correction": "lra"}, {"tiny": {"family": "llama"}})
+    only = save_adapters(model, tok, tmp_path / "only", {**SPEC, "solver": "lra"}, {"tiny": {"family": "llama"}})
     with pytest.raises(GGUFError, match="adapter-only folder"):
         export_gguf(only, tmp_path / "a.gguf")
     bare = tmp_path / "bare"

@@ -56,7 +56,7 @@ def _pruned_corrected(family: str, **kw):
                                                                    dtype=torch.float64)
         fold_replaceme(decoder_layers(model)[0], T)
     spec = {"original_num_layers": 6, "pruned_layers": [1, 2], "base_model": {"tiny": {"family": family}},
-            "criterion": "explicit", "correction": "lra"}
+            "criterion": "explicit", "solver": "lra"}
     return model, tok, spec
 
 

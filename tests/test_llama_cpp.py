@@ -123,5 +123,5 @@ def test_smollm2_135m_repaired_by_the_stock_solver_runs_in_llama_cpp(check, tmp_
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["model_type"] == "llama" and "auto_map" not in cfg and cfg["num_hidden_layers"] == 23
     doc = check.run_check(folder=folder, name="stock", out_dir=tmp_path, work=tmp_path / "work", kv_f32=True)
-    assert doc["source"]["correction"] == "stock"
+    assert doc["source"]["solver"] == "stock"
     _assert_matches(doc, 23, q8_kl=5e-2)

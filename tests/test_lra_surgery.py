@@ -193,3 +193,27 @@ def test_peft_lora_trains_the_adapters_through_modules_to_save():
     site = pm.base_model.model.model.shift_adapters.sites["2"]
     assert site.modules_to_save["default"].linear.weight.grad.abs().sum() > 0
     assert site.original_module.linear.weight.grad is None
+
+
+def test_a_folder_written_with_the_old_key_loads_as_before(tmp_path):
+    """``shift_config.json`` names the maps' solver ``solver``; a folder written before, with ``correction``,
+    loads unchanged (the same logits and record) and is not rewritten."""
+    import json
+
+    from shift_lightning.maps.record import SHIFT_CONFIG, ShiftSpec
+
+    model, tok = build_tiny_model("llama", num_hidden_layers=6)
+    remove_blocks(model, [2, 3])
+    attach_adapters(model, {2: _rand_adapter(seed=7, d=32).float()})
+    save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": [2, 3], "solver": "lra"})
+    doc = json.loads((tmp_path / SHIFT_CONFIG).read_text())
+    assert doc["solver"] == "lra" and "correction" not in doc
+    ids = tok(["The cat sat on the mat"], return_tensors="pt").input_ids
+    ref = load_pretrained(tmp_path)[0](ids).logits
+    old = {("correction" if k == "solver" else k): v for k, v in doc.items()}  # as folders were written before
+    (tmp_path / SHIFT_CONFIG).write_text(json.dumps(old))
+    assert torch.equal(load_pretrained(tmp_path)[0](ids).logits, ref)
+    assert json.loads((tmp_path / SHIFT_CONFIG).read_text()) == old  # read, never rewritten
+    spec = ShiftSpec.from_dict(old)
+    assert spec.solver == "lra" and "correction" not in spec.extra and spec.to_dict()["solver"] == "lra"
+    assert ShiftSpec.from_dict({**old, "solver": "stock"}).solver == "stock"  # both keys: the new one wins

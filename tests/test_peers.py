@@ -242,7 +242,7 @@ def test_joint_lra_and_replaceme_recovers_a_span_linear_in_x_and_the_branch_and_
         out = model(input_ids=ids, use_cache=False).logits
     assert_close(out, ref, rtol=1e-6, atol=1e-6)  # the pruned, corrected model equals the original
     save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": [2, 3],
-                                           "correction": "lra_replaceme"})
+                                           "solver": "lra_replaceme"})
     m2, _ = load_pretrained(tmp_path)
     with torch.no_grad():
         assert_close(m2(input_ids=ids, use_cache=False).logits, out, rtol=1e-12, atol=1e-12)
@@ -280,7 +280,7 @@ def test_low_rank_joint_map_recovers_a_low_rank_span_exactly_with_2dr_plus_d_par
         out = model(input_ids=ids, use_cache=False).logits
     assert_close(out, ref, rtol=1e-6, atol=1e-6)
     save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": [2, 3],
-                                           "correction": "lra_replaceme"})
+                                           "solver": "lra_replaceme"})
     m2, _ = load_pretrained(tmp_path)
     with torch.no_grad():
         assert_close(m2(input_ids=ids, use_cache=False).logits, out, rtol=1e-12, atol=1e-12)
@@ -391,7 +391,7 @@ def test_all_kinds_from_one_pass_equal_separate_fits_and_round_trip(tmp_path):
         assert_close(outs[0], outs[1], rtol=1e-9, atol=1e-9)
         # save -> load: identical logits
         save_pretrained(m, tok, tmp_path / kind, {"original_num_layers": 6, "pruned_layers": [2, 3],
-                                                   "correction": kind})
+                                                   "solver": kind})
         m2, _ = load_pretrained(tmp_path / kind)
         with torch.no_grad():
             assert torch.equal(m2(input_ids=ids, use_cache=False).logits, outs[1])

@@ -92,7 +92,7 @@ def test_stock_recovers_a_span_linear_in_the_down_proj_input_and_writes_a_plain_
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=False).logits
     assert_close(out, ref, rtol=1e-6, atol=1e-6)
-    save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": [2, 3], "correction": "stock"})
+    save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": [2, 3], "solver": "stock"})
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["model_type"] == family and "auto_map" not in cfg and cfg["num_hidden_layers"] == 4
     assert not (tmp_path / "modeling_shift.py").exists()
@@ -145,7 +145,7 @@ def test_stock_folds_a_span_at_block_0_into_an_untied_embedding_table(tmp_path):
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=False).logits
     assert_close(out, ref, rtol=1e-6, atol=1e-6)
-    save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": [0, 1], "correction": "stock"})
+    save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": [0, 1], "solver": "stock"})
     assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
     _, theirs = _plain_reload(tmp_path, ids)
     assert_close(theirs, out, rtol=0, atol=0)
@@ -191,7 +191,7 @@ def test_stock_adapter_only_folder_folds_the_maps_again_bit_for_bit(removed, tmp
     remove_blocks(model, removed)
     apply_correction(model, corr, 6, removed)
     kept = [i for i in range(6) if i not in removed]
-    save_adapters(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": removed, "correction": "stock"},
+    save_adapters(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": removed, "solver": "stock"},
                   asdict(mcfg), down={kept.index(i): wb for i, wb in corr.down_maps.items()}, embedding=corr.embedding)
     loaded, _ = load_pretrained(tmp_path)
     mine, theirs = model.state_dict(), loaded.state_dict()
@@ -227,7 +227,7 @@ def test_stock_with_the_kept_block_refit_stays_a_plain_folder(tmp_path, monkeypa
     assert not (out / "modeling_shift.py").exists()
     assert load_file(str(out / "lra.safetensors")) == {}  # no adapter and no map: every weight is in model.safetensors
     spec = json.loads((out / "shift_config.json").read_text())
-    assert spec["refit_blocks"] == [2] and spec["correction"] == "stock"
+    assert spec["refit_blocks"] == [2] and spec["solver"] == "stock"
     assert "A plain `llama` folder" in (out / "README.md").read_text()
     ids = res.tokenizer("Round trip through a plain folder", return_tensors="pt").input_ids
     loaded, _ = load_pretrained(out)
@@ -268,7 +268,7 @@ def test_stock_lora_training_exports_a_plain_folder_of_its_family(stock_lora):
         assert load_file(str(folder / "lra.safetensors")) == {}  # every weight is in model.safetensors
     assert not list(stock_lora.rglob("*.py"))  # no remote code anywhere in the export
     spec = json.loads((stock_lora / "shift_config.json").read_text())
-    assert spec["correction"] == "stock" and spec["pruned_layers"] == [2, 3] and spec["recovered"] is True
+    assert spec["solver"] == "stock" and spec["pruned_layers"] == [2, 3] and spec["recovered"] is True
     report = json.loads((stock_lora / "recovery_report.json").read_text())
     assert report["recovery"]["train_lra"] is False and report["trainable_params"] > 0
 
@@ -357,5 +357,5 @@ def test_a_calibrated_stock_folder_asked_to_train_the_maps_is_refused_before_loa
     with pytest.raises(SystemExit) as e:
         cli.train_main(_stock_lora_args(tmp_path / "o", "--model.tiny", "null", "--model.name_or_path", str(cal)))
     line = capsys.readouterr().err.splitlines()[0]
-    assert e.value.code == 2 and f"the calibrated folder {cal} holds none (correction stock)" in line, line
+    assert e.value.code == 2 and f"the calibrated folder {cal} holds none (solver stock)" in line, line
     assert "set --recovery.train_lra false" in line and not list(tmp_path.iterdir())

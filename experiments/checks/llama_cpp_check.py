@@ -162,7 +162,7 @@ def make_folder(model: str, out: Path, layers: list[int] | None = None) -> tuple
     n = m.config.num_hidden_layers
     remove_blocks(m, layers)
     save_pretrained(m, tok, out, {"original_num_layers": n, "pruned_layers": layers, "base_model": source["model"],
-                                  "criterion": "explicit", "correction": "none"})
+                                  "criterion": "explicit", "solver": "none"})
     return out, {**source, "original_num_layers": n, "pruned_layers": layers}
 
 
@@ -294,7 +294,7 @@ def run_check(folder: str | Path | None = None, model: str | None = None, name: 
             spec_file = folder / "shift_config.json"
             spec = json.loads(spec_file.read_text()) if spec_file.is_file() else {}
             source = {"folder": str(folder), **{k: spec[k] for k in ("base_model", "original_num_layers",
-                                                                      "pruned_layers", "correction") if k in spec}}
+                                                                      "pruned_layers", "solver") if k in spec}}
             name = name or folder.name
         ref, tok = load_pretrained(folder, dtype="float32")
         ref.eval()
@@ -396,7 +396,7 @@ def render(doc: dict) -> str:
     lines = [f"# {doc['name']} in llama.cpp vs transformers", "",
              f"{what}: {doc['model_type']}, {doc['num_hidden_layers']} blocks"
              + (f" ({_blocks(pruned)} of {src['original_num_layers']} removed"
-                f"{', ' + src['correction'] if src.get('correction') else ''})" if pruned else "") + ". "
+                f"{', ' + src['solver'] if src.get('solver') else ''})" if pruned else "") + ". "
              f"Exported with {doc['converter']}; run with llama-cpp-python {doc['llama_cpp_python']} "
              f"({s['threads']} threads, CPU, "
              f"{'an f32 KV cache' if s.get('kv_cache') == 'f32' else 'its default f16 KV cache'}). Reference: "

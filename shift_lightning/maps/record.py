@@ -14,6 +14,8 @@ from .surgery import SurgeryError
 SHIFT_CONFIG = "shift_config.json"
 LRA_WEIGHTS = "lra.safetensors"
 FORMAT_VERSION = 1
+#: Keys a folder written before may use -> their name now (read on load; a folder is never rewritten).
+RENAMED_KEYS = {"correction": "solver"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -21,7 +23,7 @@ FORMAT_VERSION = 1
 # --------------------------------------------------------------------------------------------
 @dataclass
 class ShiftSpec:
-    """``shift_config.json``: what was pruned and how it was corrected (validated in :meth:`from_dict`)."""
+    """``shift_config.json``: what was pruned and how it was repaired (validated in :meth:`from_dict`)."""
 
     original_num_layers: int
     """Depth of the unpruned model."""
@@ -31,8 +33,9 @@ class ShiftSpec:
     """The unpruned model: its name (full folders) or its ``ModelConfig`` fields (adapter-only folders)."""
     criterion: str | None = None
     """How the blocks were chosen."""
-    correction: str | None = None
-    """The calibration solver that fitted the maps (``lra``, ``guarded``, …) or ``none``."""
+    solver: str | None = None
+    """The calibration solver that fitted the maps (``lra``, ``stock``, …) or ``none``; saved before as
+    ``correction`` (:data:`RENAMED_KEYS`: such folders load as they are)."""
     adapters: list[dict] = field(default_factory=list)
     """``{"position": p, "chain": [AdapterSpec dicts]}``: the adapter entering pruned block ``p``."""
     branch_maps: list[dict] = field(default_factory=list)
@@ -68,6 +71,7 @@ class ShiftSpec:
         """Validated record; :class:`~shift_lightning.maps.surgery.SurgeryError` names ``source`` otherwise."""
         if not isinstance(doc, dict):
             raise SurgeryError(f"{source} must hold a JSON object")
+        doc = {RENAMED_KEYS.get(k, k) if RENAMED_KEYS.get(k) not in doc else k: v for k, v in doc.items()}
         if doc.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
             raise SurgeryError(f"{source}: unsupported format_version {doc.get('format_version')!r} "
                                f"(expected {FORMAT_VERSION})")

@@ -354,7 +354,7 @@ class CalibrationRecipe:
             return
         sel, corr = self.selection, self.correction
         spec = ShiftSpec(self.n_layers, sel.layers, base_model=report.model, criterion=sel.criterion,
-                         correction=job.calibration.solver, refit_blocks=refit_positions(self.refit_result),
+                         solver=job.calibration.solver, refit_blocks=refit_positions(self.refit_result),
                          base_fingerprint=self.base_fingerprint)
         card = CardFacts(command=job.command, calibration=report.to_dict())
 

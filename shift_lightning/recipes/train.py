@@ -149,7 +149,7 @@ def _calibrated_model(trainer: L.Trainer, model_cfg: ModelConfig, calib: dict, o
                              extra_files={"calibration_key.json": key}, built=built)
     r = result.report
     spec = ShiftSpec(r.original_num_layers, r.pruned_layers, base_model=r.model, criterion=r.criterion,
-                     correction=calib["calibration"].solver, refit_blocks=refit_positions(r.refit)).to_dict()
+                     solver=calib["calibration"].solver, refit_blocks=refit_positions(r.refit)).to_dict()
     return result.model, result.tokenizer, spec
 
 
@@ -443,7 +443,7 @@ def check_maps_trainable(recovery: RecoveryConfig, solver: str | None = None, fo
                                                      if SOLVERS[solver].placement == "down" else
                                                      "puts its maps on the MLP branch")
     elif spec is not None and not spec.adapters:
-        where = f"the calibrated folder {folder} holds none (correction {spec.correction})"
+        where = f"the calibrated folder {folder} holds none (solver {spec.solver})"
     else:
         return
     if recovery.method == "lra":
