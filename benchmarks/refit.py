@@ -45,10 +45,10 @@ def measure(a) -> dict:
     from shift_lightning.selection import select_blocks
     try:
         from shift_lightning.maps.keptfit import guarded_refit, refit_pairs
-        from shift_lightning.maps.surgery import apply_correction, remove_blocks
+        from shift_lightning.maps.surgery import apply_maps, remove_blocks
     except ImportError:  # a checkout from before the map's modules moved to shift_lightning.maps
         from shift_lightning.keptfit import guarded_refit, refit_pairs
-        from shift_lightning.surgery import apply_correction, remove_blocks
+        from shift_lightning.surgery import apply_maps, remove_blocks
 
     torch.manual_seed(0)
     dev = C.pick_device("cpu")
@@ -71,12 +71,12 @@ def measure(a) -> dict:
     t0 = time.perf_counter()
     mod = CalibrationModule(model, sel.layers, cfg, keep_statistics=False)
     mod.calibrate(trainer(), win, None, batch_size=a.batch_size)
-    correction = mod.correction()
+    correction = mod.fitted_maps()
     calibration = time.perf_counter() - t0
     del mod
     original = copy.deepcopy(model)
     remove_blocks(model, sel.layers)
-    apply_correction(model, correction, n, sel.layers)
+    apply_maps(model, correction, n, sel.layers)
     calls = {"pruned": 0, "original": 0}
     hooks = [blk.register_forward_pre_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
              for k, m in (("pruned", model), ("original", original)) for blk in decoder_layers(m)]

@@ -237,39 +237,39 @@ def _run_criterion(cfg: AblationConfig, ctx: harness.GridContext, runs: harness.
             total.add_statistics(calibrate(chunk, base))
             prev = b
             if f"samples={b}" in todo:
-                evaluate(f"samples={b}", solved(total, base).correction("lra"), {"windows": b, "tokens": b * g.seq_len})
+                evaluate(f"samples={b}", solved(total, base).fitted_maps("lra"), {"windows": b, "tokens": b * g.seq_len})
             if b == g.calib_samples:
                 at_default = CalibrationModule(ctx.model, layers, base)
                 at_default.add_statistics(total)
         for x in cfg.dampings:
             if f"damping={x:g}" in todo:
-                evaluate(f"damping={x:g}", solved(at_default, replace(base, damping=x)).correction("lra"), {"damping": x})
+                evaluate(f"damping={x:g}", solved(at_default, replace(base, damping=x)).fitted_maps("lra"), {"damping": x})
     wins64 = ctx.windows(g.calib_samples, g.seq_len)
     # --- mode -----------------------------------------------------------------------------------
     if "mode=sequential" in todo:
         mod = calibrate(wins64, replace(base, mode="sequential"))
-        evaluate("mode=sequential", mod.correction("lra"), {"mode": "sequential"})
+        evaluate("mode=sequential", mod.fitted_maps("lra"), {"mode": "sequential"})
     # --- granularity and rank: one LRA per span -------------------------------------------------
     if "granularity=span" in todo or any(t.startswith("rank=") for t in todo):
         span = calibrate(wins64, replace(base, granularity="span"))
         if "granularity=span" in todo:
-            evaluate("granularity=span", span.correction("lra"), {"granularity": "span"})
+            evaluate("granularity=span", span.fitted_maps("lra"), {"granularity": "span"})
         for r in cfg.ranks:
             if f"rank={r}" in todo:
-                correction = solved(span, replace(base, granularity="span", rank=r)).correction("lra")
+                correction = solved(span, replace(base, granularity="span", rank=r)).fitted_maps("lra")
                 evaluate(f"rank={r}", correction, {"rank": r, "lra_params": sum(num_params(a) for a in correction.adapters.values())})
     # --- domain ---------------------------------------------------------------------------------
     for d in cfg.domains:
         if f"domain={d}" in todo:
             wins = ctx.windows(g.calib_samples, g.seq_len, source=domain_source(d, ctx.cache / "data"))
-            evaluate(f"domain={d}", calibrate(wins, base).correction("lra"), {"domain": d})
+            evaluate(f"domain={d}", calibrate(wins, base).fitted_maps("lra"), {"domain": d})
     # --- ratio ----------------------------------------------------------------------------------
     for ratio in cfg.ratios:
         if ratio == g.ratio or not any(t.startswith(f"ratio={ratio:g}/") for t in todo):
             continue
         lay = _selection(cfg, ctx, crit, ratio)
         model = copy.deepcopy(ctx.model)
-        correction = calibrate(wins64, base, model, lay).correction("lra")
+        correction = calibrate(wins64, base, model, lay).fitted_maps("lra")
         remove_blocks(model, lay)
         for v, c in (("pruned", None), ("lra", correction)):
             if f"ratio={ratio:g}/{v}" in todo:

@@ -98,7 +98,7 @@ def _run(cfg: SweepConfig, ctx: harness.GridContext, runs: harness.RunFolder, cr
     remove_blocks(model, layers)
     cache = TrunkCache(depth=max(layers[0] - 1, 0))
     for i, r in enumerate(sorted(todo, key=lambda r: r != "pruned")):
-        correction = module.correction(r) if r != "pruned" else None
+        correction = module.fitted_maps(r) if r != "pruned" else None
         t1 = time.time()
         with harness.corrected(model, correction, n_layers, layers):
             res = ctx.evaluate(model, cache, record=i == 0, tasks=False)

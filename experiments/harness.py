@@ -322,7 +322,7 @@ def add_closeness(ctx: GridContext, runs: RunFolder, name: str, res: dict) -> No
 def corrected(model: nn.Module, correction, num_layers: int, removed: list[int]) -> Iterator[nn.Module]:
     """``model`` (already pruned) with ``correction`` applied for the length of the ``with``;
     afterwards the adapters are detached and ReplaceMe's folded maps undone, exactly."""
-    from shift_lightning.maps.surgery import apply_correction, detach_adapters
+    from shift_lightning.maps.surgery import apply_maps, detach_adapters
 
     if correction is None:
         yield model
@@ -331,7 +331,7 @@ def corrected(model: nn.Module, correction, num_layers: int, removed: list[int])
     saved = {j: b.mlp.down_proj.weight.detach().clone() for j, b in enumerate(blocks)
              if (correction.branch_maps or correction.down_maps) and hasattr(b, "mlp")}
     stock = _stock_state(model) if correction.embedding is not None else None
-    apply_correction(model, correction, num_layers, removed)
+    apply_maps(model, correction, num_layers, removed)
     try:
         yield model
     finally:

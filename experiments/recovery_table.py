@@ -68,7 +68,7 @@ from shift_lightning.evaluation.runner import EvalConfig
 from shift_lightning.progress import StageProgress
 from shift_lightning.recovery import RecoveryConfig
 from shift_lightning.selection import select_blocks
-from shift_lightning.maps.surgery import apply_correction, remove_blocks
+from shift_lightning.maps.surgery import apply_maps, remove_blocks
 from shift_lightning.maps import SOLVERS
 from experiments import harness, variants
 from experiments.reproduce import ReproduceConfig, check_config, check_refit_layout, eval_config, refit_kept_blocks
@@ -205,7 +205,7 @@ def run(cfg: RecoveryTableConfig) -> Path:
         calib = ctx.windows(g.calib_samples, g.seq_len, source=g.calib_source)
         module.calibrate(ctx.make_trainer(), calib, ctx.windows(g.heldout_samples, g.seq_len, split="heldout"),
                          batch_size=4)
-        correction = module.correction(cfg.repair)
+        correction = module.fitted_maps(cfg.repair)
         before: dict[bool, dict] = {}  # with the repair in place or not -> the starting model's evaluation
         for run_name in todo:
             name = run_name.split("/")[1]
@@ -217,7 +217,7 @@ def run(cfg: RecoveryTableConfig) -> Path:
             t0 = time.time()
             refit = None
             if with_lra:
-                apply_correction(model, correction, n, layers)
+                apply_maps(model, correction, n, layers)
                 if g.refit_kept:
                     refit = refit_kept_blocks(g, base, model, layers, calib)
             t_refit = time.time() - t0

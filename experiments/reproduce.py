@@ -380,7 +380,7 @@ def _run_criterion(cfg, ctx: harness.GridContext, runs: harness.RunFolder, crit:
     order = sorted(new + old, key=lambda v: (v != "pruned", v in new))
     for i, variant in enumerate(order):
         name = f"{crit}/{variant}"
-        correction = modules[variant].correction(variant) if variant != "pruned" else None
+        correction = modules[variant].fitted_maps(variant) if variant != "pruned" else None
         refitting = bool(cfg.refit_kept) and correction is not None
         t1 = time.time()
         same = _same_maps(cfg, runs, crit, modules[variant], variant) \

@@ -18,7 +18,7 @@ from shift_lightning.data import TokenWindows
 from shift_lightning.errors import ConfigError
 from shift_lightning.closeness import kl_top1, topk_reference
 from shift_lightning.models import build_tiny_model
-from shift_lightning.maps.surgery import apply_correction, remove_blocks
+from shift_lightning.maps.surgery import apply_maps, remove_blocks
 
 from test_peers import _trainer, _windows
 
@@ -58,7 +58,7 @@ def test_auto_judges_every_fit_as_the_pruned_model_runs_and_keeps_the_closest(fi
         m = _fit(model, fit_w, cfg, gran, mode)
         pruned = copy.deepcopy(model)
         remove_blocks(pruned, REMOVED)
-        apply_correction(pruned, assemble(name, [m.span_map("lra", sp) for sp in m.spans], 6, REMOVED), 6, REMOVED)
+        apply_maps(pruned, assemble(name, [m.span_map("lra", sp) for sp in m.spans], 6, REMOVED), 6, REMOVED)
         with torch.no_grad():
             kl = kl_top1(pruned(input_ids=ids, attention_mask=mask).logits[mask.bool()], ref)[0].mean().item()
         assert res["kl"][name] == pytest.approx(kl, rel=1e-6, abs=1e-12), name
@@ -68,8 +68,8 @@ def test_auto_judges_every_fit_as_the_pruned_model_runs_and_keeps_the_closest(fi
 def test_auto_maps_are_the_chosen_fit_refitted_on_all_windows(fitted):
     model, win, cfg, mod = fitted
     name, gran, mode = next(f for f in LRA.fits if f[0] == mod.fit_choice["chosen"])
-    want = _fit(model, win, cfg, gran, mode).correction("lra").adapters
-    got = mod.correction().adapters
+    want = _fit(model, win, cfg, gran, mode).fitted_maps("lra").adapters
+    got = mod.fitted_maps().adapters
     assert set(got) == set(want) and len(got) == 2
     x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
     for at in got:
@@ -115,7 +115,7 @@ def test_fits_that_coincide_for_the_removed_blocks_are_fitted_and_judged_once(re
             m = CalibrationModule(copy.deepcopy(model), removed, replace(cfg, solver="lra", mode=modes[n][1],
                                                                           granularity=modes[n][0]))
             m.calibrate(_trainer(), win, batch_size=4)
-            maps.append(m.correction("lra").adapters)
+            maps.append(m.fitted_maps("lra").adapters)
         assert set(maps[0]) == set(maps[1])
         for at in maps[0]:
             assert_close(maps[0][at](x), maps[1][at](x), rtol=1e-9, atol=1e-9)
@@ -159,13 +159,13 @@ def test_joint_auto_judges_each_walk_of_the_joint_map_with_both_halves_in_place(
         ref = topk_reference(model(input_ids=ids, attention_mask=mask).logits[mask.bool()], cfg.guard_topk)
     for name, _, mode in LRAReplaceMe.fits:
         m = _fit_joint(model, fit_w, cfg, mode)
-        corr = m.correction("lra_replaceme")
+        corr = m.fitted_maps("lra_replaceme")
         assert len(corr.branch_maps) == 2 and len(corr.adapters) == 2  # both spans have a block before them
         kls = []
         for c in (corr, replace(corr, branch_maps={})):
             pruned = copy.deepcopy(model)
             remove_blocks(pruned, REMOVED)
-            apply_correction(pruned, c, 6, REMOVED)
+            apply_maps(pruned, c, 6, REMOVED)
             with torch.no_grad():
                 logits = pruned(input_ids=ids, attention_mask=mask).logits[mask.bool()]
             kls.append(kl_top1(logits, ref)[0].mean().item())
@@ -177,8 +177,8 @@ def test_joint_auto_judges_each_walk_of_the_joint_map_with_both_halves_in_place(
 def test_joint_auto_maps_are_the_chosen_walk_refitted_on_all_windows(fitted_joint):
     model, win, cfg, mod = fitted_joint
     name, _, mode = next(f for f in LRAReplaceMe.fits if f[0] == mod.fit_choice["chosen"])
-    want = _fit_joint(model, win, cfg, mode).correction("lra_replaceme")
-    got = mod.correction()
+    want = _fit_joint(model, win, cfg, mode).fitted_maps("lra_replaceme")
+    got = mod.fitted_maps()
     assert got.solver == "lra_replaceme"
     assert set(got.adapters) == set(want.adapters) and set(got.branch_maps) == set(want.branch_maps) == {0, 2}
     x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
@@ -207,7 +207,7 @@ def test_joint_walks_that_coincide_are_fitted_and_judged_once(removed, same):
     modes = {f[0]: f[2] for f in LRAReplaceMe.fits}
     x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
     for name, twin in same.items():
-        a, b = (_fit_joint(model, win, cfg, modes[n], removed).correction("lra_replaceme") for n in (name, twin))
+        a, b = (_fit_joint(model, win, cfg, modes[n], removed).fitted_maps("lra_replaceme") for n in (name, twin))
         assert set(a.adapters) == set(b.adapters) and set(a.branch_maps) == set(b.branch_maps)
         for at in a.adapters:
             assert_close(a.adapters[at](x), b.adapters[at](x), rtol=1e-9, atol=1e-9)
@@ -219,4 +219,4 @@ def test_joint_walks_that_coincide_are_fitted_and_judged_once(removed, same):
     assert res.get("same_as", {}) == same and list(res["kl"]) == list(modes)
     assert all(res["kl"][n] == res["kl"][t] for n, t in same.items()) and res["chosen"] not in same
     if removed[0] == 0:
-        assert any("starts at block 0" in n or "no block before" in n for n in mod.correction().notes)
+        assert any("starts at block 0" in n or "no block before" in n for n in mod.fitted_maps().notes)

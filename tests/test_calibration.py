@@ -160,7 +160,7 @@ def test_joint_map_sequential_and_anchored_see_the_corrected_model(family):
     from shift_lightning.arch import mlp_branch
     from shift_lightning.maps.solvers.joint import span_delta_map
     from shift_lightning.maps.ridge import RidgeStats, ridge_solve
-    from shift_lightning.maps.surgery import apply_correction
+    from shift_lightning.maps.surgery import apply_maps
 
     model, tok = build_tiny_model(family, num_hidden_layers=6, dtype=torch.float64, max_position_embeddings=512)
     win, d, damping = _windows(tok), model.config.hidden_size, 1e-3
@@ -177,7 +177,7 @@ def test_joint_map_sequential_and_anchored_see_the_corrected_model(family):
     one = CalibrationModule(copy.deepcopy(model), [1], CalibrationConfig(damping=damping))
     one.calibrate(_trainer(), win)
     remove_blocks(ref, [1])
-    apply_correction(ref, one.correction(), 6, [1])
+    apply_maps(ref, one.fitted_maps(), 6, [1])
     after = CalibrationModule(copy.deepcopy(ref), [2], CalibrationConfig(damping=damping))  # original block 3
     after.calibrate(_trainer(), win)
     seq = fits["sequential"].solution(second)

@@ -20,7 +20,7 @@ from shift_lightning.errors import ConfigError
 from shift_lightning.maps.keptfit import KeptFitError, Walk, refit_kept, refit_pairs
 from shift_lightning.models import ModelConfig, build_tiny_model
 from shift_lightning.recipes.calibrate import run_calibration
-from shift_lightning.maps.surgery import apply_correction, remove_blocks
+from shift_lightning.maps.surgery import apply_maps, remove_blocks
 
 from test_calibration import CORPUS, HELDOUT
 from test_peers import _trainer, _windows
@@ -35,7 +35,7 @@ def _corrected(model, layers, win):
     mod.calibrate(_trainer(), win, batch_size=4)
     n = len(decoder_layers(m))
     remove_blocks(m, layers)
-    apply_correction(m, mod.correction("lra_replaceme"), n, layers)
+    apply_maps(m, mod.fitted_maps("lra_replaceme"), n, layers)
     return m
 
 

@@ -403,14 +403,14 @@ def test_heldout_closeness_block_major_equals_full_forwards(folders, family, sol
     from shift_lightning.closeness import window_closeness, window_references
     from shift_lightning.evaluation.heldout import HeldoutCloseness
     from shift_lightning.nll import token_nll
-    from shift_lightning.maps.surgery import apply_correction, remove_blocks
+    from shift_lightning.maps.surgery import apply_maps, remove_blocks
 
     mem, tok = load_model(ModelConfig(name_or_path=str(folders[family]), placement="memory"))
     w = build_windows(TextDataConfig(source=CORPUS, num_samples=8, seq_len=48), tok)
     h = build_windows(TextDataConfig(source=HELDOUT, num_samples=5, seq_len=40, packing=False), tok)
     cal = CalibrationModule(copy.deepcopy(mem), layers, CalibrationConfig(solver=solver))
     cal.calibrate(_trainer(), w, batch_size=3)
-    corr = cal.correction()
+    corr = cal.fitted_maps()
     got = {}
     for placement in ("memory", "onload"):
         model = mem if placement == "memory" else load_model(ModelConfig(name_or_path=str(folders[family]),
@@ -421,7 +421,7 @@ def test_heldout_closeness_block_major_equals_full_forwards(folders, family, sol
     assert got["memory"] == got["onload"]
     pruned, repaired = copy.deepcopy(mem), copy.deepcopy(mem)
     remove_blocks(pruned, layers), remove_blocks(repaired, layers)
-    apply_correction(repaired, corr, 6, layers)
+    apply_maps(repaired, corr, 6, layers)
     refs = window_references(mem, h.input_ids, h.attention_mask, k=256)
     for name, model in (("original", mem), ("pruned", pruned), ("repaired", repaired)):
         with torch.no_grad():

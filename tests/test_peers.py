@@ -21,7 +21,7 @@ from shift_lightning.errors import ConfigError
 from shift_lightning.models import build_tiny_model
 from shift_lightning.maps.peers import fold_replaceme, hadamard, linearpatch_matrix
 from shift_lightning.checkpoint import save_pretrained
-from shift_lightning.maps.surgery import apply_correction, remove_blocks
+from shift_lightning.maps.surgery import apply_maps, remove_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = str(ROOT / "tests" / "data" / "tiny_corpus.txt")
@@ -153,14 +153,14 @@ def test_replaceme_recovers_a_span_linear_in_the_mlp_branch_and_folds_exactly(ti
     with torch.no_grad():
         ref = model(input_ids=ids, use_cache=False).logits
     mod = _fit(model, [2, 3], ["replaceme"], win)
-    corr = mod.correction("replaceme")
+    corr = mod.fitted_maps("replaceme")
     assert list(corr.branch_maps) == [1]
     assert_close(corr.branch_maps[1], T0, rtol=1e-6, atol=1e-7)
     assert mod.reports[mod.sites[0].key]["calib_rel_error"] < 1e-10
     remove_blocks(model, [2, 3])
     for b in decoder_layers(model):
         b._forward_hooks.clear()
-    apply_correction(model, corr, 6, [2, 3])
+    apply_maps(model, corr, 6, [2, 3])
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=False).logits
     assert_close(out, ref, rtol=1e-6, atol=1e-6)  # the pruned, folded model equals the original
@@ -191,7 +191,7 @@ def test_replaceme_on_gemma3_wraps_the_post_mlp_norm_and_round_trips(tmp_path):
     mod = _fit(model, [3, 4], ["replaceme"], win, damping=1e-4)
     ids = win.input_ids[:2, :20]
     remove_blocks(model, [3, 4])
-    apply_correction(model, mod.correction("replaceme"), 6, [3, 4])
+    apply_maps(model, mod.fitted_maps("replaceme"), 6, [3, 4])
     with torch.no_grad():
         ref = model(input_ids=ids, use_cache=False).logits
     save_pretrained(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": [3, 4]})
@@ -234,10 +234,10 @@ def test_joint_lra_and_replaceme_recovers_a_span_linear_in_x_and_the_branch_and_
     assert errors["lra_replaceme"]["calib_rel_error"] < 1e-9
     assert errors["lra_span"]["calib_rel_error"] > 1e-3 and errors["replaceme"]["calib_rel_error"] > 1e-3
     assert errors["lra_replaceme"]["cond_I_plus_A"] < 1e3
-    corr = mod.correction("lra_replaceme")
+    corr = mod.fitted_maps("lra_replaceme")
     assert list(corr.branch_maps) == [1] and list(corr.adapters) == [2]
     remove_blocks(model, [2, 3])
-    apply_correction(model, corr, 6, [2, 3])
+    apply_maps(model, corr, 6, [2, 3])
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=False).logits
     assert_close(out, ref, rtol=1e-6, atol=1e-6)  # the pruned, corrected model equals the original
@@ -270,12 +270,12 @@ def test_low_rank_joint_map_recovers_a_low_rank_span_exactly_with_2dr_plus_d_par
     assert errors["lra_replaceme"]["calib_rel_error"] < 1e-9 < 1e-3 < errors["lra_span"]["calib_rel_error"]
     sol = mod.solution(mod.spans[0], "lra_replaceme")
     assert sol.U.shape == sol.V.shape == (d, r) and torch.linalg.matrix_rank(sol.T - torch.eye(d, dtype=torch.float64)) == d
-    corr = mod.correction("lra_replaceme")
+    corr = mod.fitted_maps("lra_replaceme")
     adapter = corr.adapters[2]
     assert isinstance(adapter, LinearResidualAdapter) and adapter.spec.rank == r
     assert sum(p.numel() for p in adapter.parameters()) == 2 * d * r + d
     remove_blocks(model, [2, 3])
-    apply_correction(model, corr, 6, [2, 3])
+    apply_maps(model, corr, 6, [2, 3])
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=False).logits
     assert_close(out, ref, rtol=1e-6, atol=1e-6)
@@ -334,10 +334,10 @@ def test_guarded_joint_judges_the_joint_map_on_held_out_windows_and_keeps_it_whe
     assert guard["chosen"] == "lra+replaceme" and guard["kl"]["lra+replaceme"] < 1e-8
     assert {"none", "lra@span", "replaceme", "lra+replaceme"} <= set(guard["kl"])
     assert guard["kl"]["lra@span"] > 100 * guard["kl"]["lra+replaceme"]  # the others cannot reach it
-    corr = mod.correction("guarded_joint")
-    assert_close(corr.branch_maps[1], mod.correction("lra_replaceme").branch_maps[1])  # refitted on all windows
+    corr = mod.fitted_maps("guarded_joint")
+    assert_close(corr.branch_maps[1], mod.fitted_maps("lra_replaceme").branch_maps[1])  # refitted on all windows
     remove_blocks(model, [2, 3])
-    apply_correction(model, corr, 6, [2, 3])
+    apply_maps(model, corr, 6, [2, 3])
     with torch.no_grad():
         assert_close(model(input_ids=ids, use_cache=False).logits, ref, rtol=1e-6, atol=1e-6)
 
@@ -349,7 +349,7 @@ def test_joint_map_at_block_0_is_the_span_lra_and_says_so(tiny):
     span = mod.spans[0]
     assert mod.solution(span, "lra_replaceme").T is None
     assert_close(mod.solution(span, "lra_replaceme").W, mod.solution(span, "lra_span").W)
-    corr = mod.correction("lra_replaceme")
+    corr = mod.fitted_maps("lra_replaceme")
     assert not corr.branch_maps and list(corr.adapters) == [0]
     assert any("no block before the span" in n for n in corr.notes)
 
@@ -385,7 +385,7 @@ def test_all_kinds_from_one_pass_equal_separate_fits_and_round_trip(tmp_path):
         for mod in (together, alone):
             m = copy.deepcopy(model)
             remove_blocks(m, [2, 3])
-            apply_correction(m, mod.correction(kind), 6, [2, 3])
+            apply_maps(m, mod.fitted_maps(kind), 6, [2, 3])
             with torch.no_grad():
                 outs.append(m(input_ids=ids, use_cache=False).logits)
         assert_close(outs[0], outs[1], rtol=1e-9, atol=1e-9)
@@ -433,7 +433,7 @@ def test_guard_chooses_by_heldout_closeness_and_refits_on_all_windows(tiny):
     assert all(g["kl"][g["chosen"]] == min(g["kl"].values()) for g in (g1, g2))
     assert set(g1["kl"]) == {"none", "lra@1e-08", "lra@0.01", "lra@1", "nobias", "replaceme"}
     assert g1["held_out_windows"] == 3 and g1["positions"] == int(win.attention_mask[[3, 7, 11]].sum())
-    guarded, lra, rme = (mod.correction(n) for n in ("guarded", "lra", "replaceme"))
+    guarded, lra, rme = (mod.fitted_maps(n) for n in ("guarded", "lra", "replaceme"))
     x = torch.randn(2, 3, d, dtype=torch.float64)
     assert_close(guarded.adapters[1](x), lra.adapters[1](x), rtol=1e-9, atol=1e-9)
     assert list(guarded.branch_maps) == [3] and 2 not in guarded.adapters
@@ -460,7 +460,7 @@ def test_guard_rank_path_picks_the_low_rank_fit_and_stores_it_low_rank(tiny):
     assert rep["chosen"] == "lra@r2" and rep["kl"]["lra@r2"] < 1e-4 * min(rep["kl"]["none"], rep["kl"]["lra@10"])
     plain = CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(damping=1e-8, rank=2), solvers=["lra"])
     plain.calibrate(_trainer(), win, batch_size=3)
-    got, want = mod.correction("guarded").adapters[2], plain.correction("lra").adapters[2]
+    got, want = mod.fitted_maps("guarded").adapters[2], plain.fitted_maps("lra").adapters[2]
     assert sum(p.numel() for p in got.parameters()) == 2 * d * 2 + d
     x = torch.randn(2, 3, d, dtype=torch.float64)
     assert_close(got(x), want(x), rtol=1e-9, atol=1e-9)
@@ -511,11 +511,11 @@ def test_guard_span_candidate_fits_the_whole_span_at_once(tiny):
     span_lra = CalibrationModule(copy.deepcopy(model), [2, 3, 5], CalibrationConfig(solver="lra", damping=1e-8, granularity="span"))
     span_lra.calibrate(_trainer(), win, batch_size=3)
     x = torch.randn(2, 3, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    got, want = mod.correction("guarded_span").adapters[2], span_lra.correction("lra").adapters[2]
+    got, want = mod.fitted_maps("guarded_span").adapters[2], span_lra.fitted_maps("lra").adapters[2]
     assert_close(got(x), want(x), rtol=1e-8, atol=1e-8)
     # recovered up to the ridge (damping 1e-8, 12 windows): an unseeded x once met 1.3e-6 at one element of 192
     assert_close(got(x), x + x @ M.T, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(mod.correction("guarded").adapters[2](x), got(x), atol=1e-4)
+    assert not torch.allclose(mod.fitted_maps("guarded").adapters[2](x), got(x), atol=1e-4)
     reports = mod.span_reports()  # the first requested guard's judgement, and both when there are two
     assert reports[0]["guard"] == pair and set(reports[0]["guards"]) == {"guarded", "guarded_span"}
 
@@ -530,7 +530,7 @@ def test_the_span_lra_fitted_beside_the_per_block_one_is_the_span_granularity_lr
     both = _fit_cfg(model, [2, 3, 5], {"lra": {}, "lra_span": SPAN_LRA}, win, cfg)
     alone = _fit_cfg(model, [2, 3, 5], ["lra"], win, replace(cfg, granularity="span"))
     x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
-    got, want, merged = (m.correction(n).adapters for m, n in ((both, "lra_span"), (alone, "lra"), (both, "lra")))
+    got, want, merged = (m.fitted_maps(n).adapters for m, n in ((both, "lra_span"), (alone, "lra"), (both, "lra")))
     assert set(got) == set(want) == set(merged) and len(got) == 2
     pair, single = sorted(got)
     for at in (pair, single):
@@ -556,7 +556,7 @@ def test_replaceme_cosine_follows_the_reference_recipe(tiny):
     zero = torch.zeros(cos_sol.W.shape[0], dtype=torch.float64)
     assert st.relative_error(cos_sol.W - eye, zero) < st.relative_error(zero[:, None] * eye, zero)  # beats T = 0
     assert cos_sol.info["tokens"] == int(win.attention_mask.sum())
-    corr = runs[0].correction("replaceme_cosine")
+    corr = runs[0].fitted_maps("replaceme_cosine")
     assert list(corr.branch_maps) == [2] and not corr.adapters
     assert_close(corr.branch_maps[2], cos_sol.W.T)
     assert ls_sol is not None
@@ -592,7 +592,7 @@ def test_guard_judge_runs_the_pruned_model_exactly(family):
         remove_blocks(m, removed)
         from shift_lightning.maps.fitted import assemble
 
-        apply_correction(m, assemble("x", list(maps.values()), 6, removed), 6, removed)
+        apply_maps(m, assemble("x", list(maps.values()), 6, removed), 6, removed)
         with torch.no_grad():
             lg = m(input_ids=win.input_ids, attention_mask=win.attention_mask).logits[win.attention_mask.bool()]
         kl = kl_top1(lg, ref)[0].mean().item()

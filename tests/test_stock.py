@@ -21,7 +21,7 @@ from shift_lightning.data import TextDataConfig
 from shift_lightning.errors import ConfigError
 from shift_lightning.models import ModelConfig, build_tiny_model
 from shift_lightning.recipes.calibrate import run_calibration
-from shift_lightning.maps.surgery import apply_correction, remove_blocks
+from shift_lightning.maps.surgery import apply_maps, remove_blocks
 
 from test_calibration import CORPUS
 from test_gguf import fake_llama_cpp  # noqa: F401 (the stand-in converter, a fixture)
@@ -85,10 +85,10 @@ def test_stock_recovers_a_span_linear_in_the_down_proj_input_and_writes_a_plain_
     mod = _fit(model, [2, 3], {"stock": {}, "replaceme": {}}, win)
     errors = mod.reports[mod.spans[0].key]["solvers"]
     assert errors["stock"]["calib_rel_error"] < 1e-9 < 1e-3 < errors["replaceme"]["calib_rel_error"]
-    corr = mod.correction("stock")
+    corr = mod.fitted_maps("stock")
     assert list(corr.down_maps) == [1] and not corr.adapters and not corr.branch_maps
     remove_blocks(model, [2, 3])
-    apply_correction(model, corr, 6, [2, 3])
+    apply_maps(model, corr, 6, [2, 3])
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=False).logits
     assert_close(out, ref, rtol=1e-6, atol=1e-6)
@@ -135,11 +135,11 @@ def test_stock_folds_a_span_at_block_0_into_an_untied_embedding_table(tmp_path):
     with torch.no_grad():
         ref = model(input_ids=ids, use_cache=False).logits
     mod = _fit(model, [0, 1], {"stock": {}}, win)
-    corr = mod.correction("stock")
+    corr = mod.fitted_maps("stock")
     assert corr.embedding is not None and not corr.down_maps and not corr.adapters
     assert any("embedding table" in n for n in corr.notes)
     remove_blocks(model, [0, 1])
-    apply_correction(model, corr, 6, [0, 1])
+    apply_maps(model, corr, 6, [0, 1])
     assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
     assert torch.equal(model.get_output_embeddings().weight, head)
     with torch.no_grad():
@@ -187,9 +187,9 @@ def test_stock_adapter_only_folder_folds_the_maps_again_bit_for_bit(removed, tmp
     model, tok = load_pretrained(mcfg)
     base_embedding = model.get_input_embeddings().weight.detach().clone()
     mod = _fit(model, removed, {"stock": {}}, _windows(tok), damping=1e-4)
-    corr = mod.correction("stock")
+    corr = mod.fitted_maps("stock")
     remove_blocks(model, removed)
-    apply_correction(model, corr, 6, removed)
+    apply_maps(model, corr, 6, removed)
     kept = [i for i in range(6) if i not in removed]
     save_adapters(model, tok, tmp_path, {"original_num_layers": 6, "pruned_layers": removed, "solver": "stock"},
                   asdict(mcfg), down={kept.index(i): wb for i, wb in corr.down_maps.items()}, embedding=corr.embedding)

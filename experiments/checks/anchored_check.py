@@ -31,7 +31,7 @@ from shift_lightning.data import TextDataConfig, TokenWindows, build_windows  # 
 from shift_lightning.closeness import window_closeness, window_references  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
 from experiments.tables.common import blocks_label  # noqa: E402
-from shift_lightning.maps.surgery import apply_correction, remove_blocks  # noqa: E402
+from shift_lightning.maps.surgery import apply_maps, remove_blocks  # noqa: E402
 
 
 @torch.no_grad()
@@ -83,7 +83,7 @@ def main(argv=None):
                 mod.calibrate(trainer, fit, batch_size=4)
                 secs = time.perf_counter() - t0
                 remove_blocks(m, layers)
-                apply_correction(m, mod.correction(), L_, layers)
+                apply_maps(m, mod.fitted_maps(), L_, layers)
                 kl, top1 = closeness(m, judge, refs)
                 rows.append({"criterion": crit, "pruned_layers": layers, "spans": len(make_sites(layers, "span")),
                              "granularity": gran, "mode": mode, "solver": a.solver, "kl": kl, "top1": top1, "seconds": secs})

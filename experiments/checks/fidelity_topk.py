@@ -28,7 +28,7 @@ from shift_lightning.data import TextDataConfig, build_windows  # noqa: E402
 from shift_lightning.closeness import kl_exact, kl_top1, lm_softcap, topk_reference  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
 from shift_lightning.selection import select_blocks  # noqa: E402
-from shift_lightning.maps.surgery import apply_correction, remove_blocks  # noqa: E402
+from shift_lightning.maps.surgery import apply_maps, remove_blocks  # noqa: E402
 
 
 @torch.no_grad()
@@ -75,7 +75,7 @@ def main(argv=None):
             m = copy.deepcopy(model)
             remove_blocks(m, layers)
             if variant == "lra":
-                apply_correction(m, mod.correction("lra"), n, layers)
+                apply_maps(m, mod.fitted_maps("lra"), n, layers)
             lg = logits_of(m, held)
             exact = kl_exact(ref_logits, lg, softcap)
             for k in ks:

@@ -30,7 +30,7 @@ from shift_lightning.calibration import CalibrationConfig, CalibrationModule  # 
 from experiments import variants  # noqa: E402
 from shift_lightning.models import num_params  # noqa: E402
 from shift_lightning.outputs import write_json_atomic, write_text_atomic  # noqa: E402
-from shift_lightning.maps.surgery import apply_correction, remove_blocks  # noqa: E402
+from shift_lightning.maps.surgery import apply_maps, remove_blocks  # noqa: E402
 
 SOLVERS = ("lra_span", "lra_replaceme")  # grid variants (experiments/variants.py)
 
@@ -74,9 +74,9 @@ def main(argv=None):
         mod.solve()
         for name in SOLVERS:
             m = copy.deepcopy(model)
-            corr = mod.correction(name)
+            corr = mod.fitted_maps(name)
             remove_blocks(m, layers)
-            apply_correction(m, corr, n_layers, layers)
+            apply_maps(m, corr, n_layers, layers)
             kl, top1 = closeness(m, judge, refs)
             doc["rows"].append({"rank": r, "solver": name, "kl": kl, "top1": top1,
                                 "adapter_params": sum(num_params(x) for x in corr.adapters.values()),

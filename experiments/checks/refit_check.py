@@ -47,14 +47,14 @@ from shift_lightning.outputs import write_json_atomic, write_text_atomic
 def corrected_copy(model, layers: list[int], windows, damping: float, make_trainer):
     """A deep copy of ``model``, pruned of ``layers`` and corrected by the default joint map fitted on ``windows``."""
     from shift_lightning.calibration import CalibrationConfig, CalibrationModule
-    from shift_lightning.maps.surgery import apply_correction, remove_blocks
+    from shift_lightning.maps.surgery import apply_maps, remove_blocks
 
     m = copy.deepcopy(model)
     module = CalibrationModule(m, layers, CalibrationConfig(damping=damping), solvers=["lra_replaceme"])
     module.calibrate(make_trainer(), windows, None, batch_size=4)
     n = len(decoder_layers(m))
     remove_blocks(m, layers)
-    apply_correction(m, module.correction("lra_replaceme"), n, layers)
+    apply_maps(m, module.fitted_maps("lra_replaceme"), n, layers)
     return m
 
 

@@ -82,7 +82,7 @@ def main(argv=None):
     import lightning as L
 
     from shift_lightning.calibration import CalibrationConfig, CalibrationModule
-    from shift_lightning.maps.surgery import apply_correction, remove_blocks
+    from shift_lightning.maps.surgery import apply_maps, remove_blocks
 
     model, tok = C.build_model(a.model, torch.device("cpu"))
     n = len(decoder_layers(model))
@@ -109,7 +109,7 @@ def main(argv=None):
             variant, k = ROWS[row]
             m = copy.deepcopy(model)
             remove_blocks(m, layers)
-            apply_correction(m, module.correction(variant), n, layers)
+            apply_maps(m, module.fitted_maps(variant), n, layers)
             pairs = refit_pairs(layers, n, k) if k else []
             if pairs:
                 refit_kept(m, model, fit, pairs, a.refit_damping)

@@ -129,7 +129,7 @@ def test_low_rank_check_rows_from_one_pass_and_full_rank_equals_the_solvers(tmp_
     from shift_lightning.calibration import CalibrationConfig, CalibrationModule
     from shift_lightning.data import TokenWindows
     from shift_lightning.closeness import window_references
-    from shift_lightning.maps.surgery import apply_correction, remove_blocks
+    from shift_lightning.maps.surgery import apply_maps, remove_blocks
 
     model = C.build_model("random:tiny", torch.device("cpu"))[0]
     win = C.windows(model, None, 8, 32)
@@ -142,7 +142,7 @@ def test_low_rank_check_rows_from_one_pass_and_full_rank_equals_the_solvers(tmp_
     for name in B.SOLVERS:
         m = copy.deepcopy(model)
         remove_blocks(m, [3, 4])
-        apply_correction(m, mod.correction(name), model.config.num_hidden_layers, [3, 4])
+        apply_maps(m, mod.fitted_maps(name), model.config.num_hidden_layers, [3, 4])
         assert closeness(m, judge, refs)[0] == pytest.approx(rows[(None, name)]["kl"], rel=1e-5)
     assert "| full |" in (tmp_path / "lr.md").read_text()
 

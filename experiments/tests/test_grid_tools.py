@@ -15,7 +15,7 @@ from shift_lightning.calibration import CalibrationConfig, CalibrationModule
 from shift_lightning.data import TextDataConfig, build_windows
 from shift_lightning.models import build_tiny_model
 from shift_lightning.recipes import cli
-from shift_lightning.maps.surgery import apply_correction, remove_blocks
+from shift_lightning.maps.surgery import apply_maps, remove_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = str(ROOT / "tests" / "data" / "tiny_corpus.txt")
@@ -135,7 +135,7 @@ def test_trunk_cache_gives_bit_identical_evaluations():
         m = copy.deepcopy(model)
         remove_blocks(m, [3, 4])
         if kind:
-            apply_correction(m, mod.correction(kind), 6, [3, 4])
+            apply_maps(m, mod.fitted_maps(kind), 6, [3, 4])
         variants[kind] = m
     plain = {k: evaluate_model(m, tok, ev) for k, m in variants.items()}
     cache = TrunkCache(depth=2)  # ReplaceMe changes block 2: blocks 0, 1 are shared

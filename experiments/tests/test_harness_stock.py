@@ -23,7 +23,7 @@ def test_corrected_undoes_the_stock_folds_exactly():
     mod = CalibrationModule(model, removed, CalibrationConfig(damping=1e-4), solvers=["stock"])
     mod.calibrate(L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, inference_mode=False), win)
-    corr = mod.correction("stock")
+    corr = mod.fitted_maps("stock")
     assert corr.embedding is not None and corr.down_maps
     remove_blocks(model, removed)
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -127,7 +127,7 @@ def test_do_no_harm_guard_keeps_good_maps_and_drops_useless_ones(tiny):
     x = torch.randn(2, 3, d, dtype=torch.float64)
     assert torch.equal(mod.adapter("lra_guard", noisy)(x), x)  # identity map
     assert not torch.equal(mod.adapter("lra", noisy)(x), x)     # the unguarded map overfits
-    corr = mod.correction()  # the first requested solver is the guarded one
+    corr = mod.fitted_maps()  # the first requested solver is the guarded one
     assert corr.solver == "lra_guard"
 
 

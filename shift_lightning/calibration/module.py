@@ -29,7 +29,7 @@ from ..placement import placement_of
 from ..maps.ridge import Solution
 from .collect import Collector, SiteStatistics
 from .config import CalibrationConfig
-from ..maps.fitted import Correction, SpanMap, adapter_from, assemble, chain
+from ..maps.fitted import FittedMaps, SpanMap, adapter_from, assemble, chain
 from .pipeline import IndependentPass
 from .sequential import SequentialWalk
 from .walks import WALKS
@@ -323,7 +323,7 @@ class CalibrationModule(DataPass):
         return SpanMap(span, adapter=chain([self.adapter(name, t) for t in sites_in(span, self.sites)], self.cfg.merge),
                        source=name)
 
-    def correction(self, name: str | None = None) -> Correction:
+    def fitted_maps(self, name: str | None = None) -> FittedMaps:
         """What solver ``name`` (default: the first requested) does to the pruned model."""
         name = name or self.primary
         if name not in self.requested:
@@ -332,7 +332,7 @@ class CalibrationModule(DataPass):
 
     def adapters_by_position(self, name: str | None = None) -> dict[int, nn.Module]:
         """Adapters keyed by pruned position; adjacent ones merged exactly when ``cfg.merge``."""
-        return self.correction(name).adapters
+        return self.fitted_maps(name).adapters
 
     def span_reports(self) -> list[dict]:
         """Per span: blocks, what each solver put there, held-out span errors, the guard's judgement."""

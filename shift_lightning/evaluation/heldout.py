@@ -41,7 +41,7 @@ CHUNK = 128
 
 class HeldoutCloseness(DataPass):
     """The report of the module doc for ``model`` (the original, before surgery), the original indices of the
-    ``removed`` blocks and the calibration's ``correction`` (:class:`~shift_lightning.maps.fitted.Correction`).
+    ``removed`` blocks and the calibration's ``correction`` (:class:`~shift_lightning.maps.fitted.FittedMaps`).
     After :meth:`run`, :attr:`results` ``{"original": {"ppl"}, "pruned": {"ppl", "kl", "top1"}, "repaired": …}``."""
 
     stage = "held-out closeness (original, pruned, repaired)"

@@ -10,7 +10,7 @@ what the removed blocks did to the hidden state. Its whole life is here:
 ``solvers/``       how each method fits its maps, one file a family, one registry (``--calibration.solver``):
                    ``lra``, ``nobias`` (ridge.py), ``replaceme`` (replaceme.py), ``lra_replaceme`` (joint.py),
                    ``linearpatch``, ``guarded`` (guard.py), ``stock`` (stock.py)
-``fitted``         solutions → the maps of a run per span (:class:`~.fitted.SpanMap`) → :class:`~.fitted.Correction`
+``fitted``         solutions → the maps of a run per span (:class:`~.fitted.SpanMap`) → :class:`~.fitted.FittedMaps`
 ``lra``            the map as a module on the residual stream: :class:`~.lra.LinearResidualAdapter`
 ``peers``          the map folded into existing weights the peers' way (ReplaceMe's ``down_proj`` fold,
                    LinearPatch's rotation)
@@ -30,7 +30,7 @@ _EXPORTS = {
     "Site": "sites", "contiguous_spans": "sites", "pruned_positions": "sites",
     "Solution": "ridge", "RidgeStats": "ridge", "ridge_solve": "ridge",
     "SOLVERS": "solvers", "Solver": "solvers", "get_solver": "solvers", "register": "solvers",
-    "Correction": "fitted", "SpanMap": "fitted", "LinearResidualAdapter": "lra", "AdapterSpec": "lra",
+    "FittedMaps": "fitted", "SpanMap": "fitted", "LinearResidualAdapter": "lra", "AdapterSpec": "lra",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -3,8 +3,8 @@
 * :func:`adapter_from` turns a :class:`~shift_lightning.maps.ridge.Solution` into a
   :class:`~shift_lightning.maps.lra.LinearResidualAdapter` (full or low rank, with or without bias);
 * :class:`SpanMap` is what one span ends up with (an adapter, a branch map, or nothing);
-* :class:`Correction` is what a solver does to the whole pruned model (adapters by pruned position,
-  branch maps by original block), applied by :func:`shift_lightning.maps.surgery.apply_correction`.
+* :class:`FittedMaps` is what a solver does to the whole pruned model (adapters by pruned position,
+  branch maps by original block), applied by :func:`shift_lightning.maps.surgery.apply_maps`.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ class SpanMap:
 
 
 @dataclass
-class Correction:
-    """What one solver does to the pruned model (see :func:`shift_lightning.maps.surgery.apply_correction`)."""
+class FittedMaps:
+    """What one solver does to the pruned model (see :func:`shift_lightning.maps.surgery.apply_maps`)."""
 
     solver: str
     adapters: dict[int, nn.Module] = field(default_factory=dict)
@@ -88,10 +88,10 @@ class Correction:
     """``(W, b)`` folded into the embedding table (the stock repair of a span at block 0)."""
 
 
-def assemble(solver: str, maps: list[SpanMap], num_layers: int, removed: list[int]) -> Correction:
-    """The :class:`Correction` of per-span maps."""
+def assemble(solver: str, maps: list[SpanMap], num_layers: int, removed: list[int]) -> FittedMaps:
+    """The :class:`FittedMaps` of per-span maps."""
     pos = pruned_positions(num_layers, removed)
-    c = Correction(solver, spans=list(maps))
+    c = FittedMaps(solver, spans=list(maps))
     for m in maps:
         if m.adapter is not None:
             c.adapters[pos[m.span.start]] = m.adapter

@@ -138,8 +138,8 @@ def adapter_module_names(model: nn.Module) -> list[str]:
     return [] if container is None else [f"shift_adapters.sites.{k}" for k in container.sites.keys()]
 
 
-def apply_correction(model: nn.Module, correction, original_num_layers: int, removed: list[int]) -> None:
-    """Put a calibration ``correction`` (:class:`~shift_lightning.maps.fitted.Correction`) into the
+def apply_maps(model: nn.Module, correction, original_num_layers: int, removed: list[int]) -> None:
+    """Put a calibration ``correction`` (:class:`~shift_lightning.maps.fitted.FittedMaps`) into the
     already pruned ``model``: attach its adapters and fold its ReplaceMe maps (``branch_maps``,
     keyed by original block index) into the kept blocks they belong to."""
     from ..placement import placement_of

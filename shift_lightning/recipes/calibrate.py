@@ -36,11 +36,11 @@ from ..progress import with_stage_progress
 from ..reports import CalibrationReport
 from ..stopping import with_signal_guard
 from ..selection import ONLOAD_CRITERIA, select_blocks
-from ..maps import Correction, pruned_positions
+from ..maps import FittedMaps, pruned_positions
 from ..card import CardFacts
 from ..checkpoint import ShiftSpec, load_pretrained, save_adapters, save_pretrained
 from ..maps.keptfit import check_block, guarded_refit, refit_pairs
-from ..maps.surgery import apply_correction, remove_blocks
+from ..maps.surgery import apply_maps, remove_blocks
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ class CalibrationRecipe:
             module.calibrate(self.make_trainer(), self.windows, self.heldout_windows, batch_size=job.data.batch_size,
                              check=False)
         module.drop_statistics()
-        self.correction = module.correction() if layers else Correction(job.calibration.solver)
+        self.correction = module.fitted_maps() if layers else FittedMaps(job.calibration.solver)
         self.site_reports, self.span_reports = module.site_reports(), module.span_reports()
         del module  # the solutions and per-site adapters (d² floats each): the correction holds the maps
         self.closeness, self.seconds["heldout_closeness"] = heldout_report(
@@ -299,7 +299,7 @@ class CalibrationRecipe:
         remove_blocks(lm, layers)
         if self.scorer is not None and job.evaluate_baselines:
             self._evaluate("pruned")
-        apply_correction(lm, self.correction, self.n_layers, layers)
+        apply_maps(lm, self.correction, self.n_layers, layers)
 
     # ---------------------------------------------------------------- refit
     def refit(self) -> None:

@@ -51,7 +51,7 @@ def trainer():
 def maps_of(module: CalibrationModule, name: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Per span of ``name``'s correction: its adapter as ``(M, c)`` and its branch map ``T``; and each span's source."""
     tensors, sources = {}, []
-    for i, m in enumerate(module.correction(name).spans):
+    for i, m in enumerate(module.fitted_maps(name).spans):
         if m.adapter is not None:
             M, c = as_affine(m.adapter)
             tensors[f"{i}.M"], tensors[f"{i}.c"] = M.contiguous(), c.contiguous()
