@@ -246,3 +246,49 @@ def test_train_job_recovers_from_a_refitted_calibration(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "job.calibration" / "shift_config.json").read_text())["refit_blocks"] == [2]
     assert json.loads((tmp_path / "job" / "shift_config.json").read_text())["refit_blocks"] == [2]
     load_pretrained(tmp_path / "job")
+
+
+def test_the_walks_run_the_blocks_both_models_compute_alike_once(monkeypatch):
+    """Blocks before the first one the repair touched are the original's: the guarded re-fit walks them once for
+    both models (fewer block calls) and judges, keeps and fits exactly as with separate walks (bit for bit); a hook
+    on such a block (an adapter) or a changed embedding ends the shared prefix."""
+    from shift_lightning.maps import keptfit
+    from shift_lightning.maps.keptfit import _shared_prefix, guarded_refit
+    from shift_lightning.models import decoder_layers
+
+    model, tok = build_tiny_model("llama", num_hidden_layers=8)
+    win = _windows(tok, n=12, seq_len=32)
+    layers = [3, 4]
+    fixed = _corrected(model, layers, win)
+    assert _shared_prefix(fixed, model, 3) == 2  # the joint map folds into block 2's down_proj
+    pairs = refit_pairs(layers, 8, 2)
+
+    def run(shared: bool):
+        m, calls = copy.deepcopy(fixed), [0]
+
+        def counted(blk):
+            def forward(*a, **k):
+                calls[0] += 1
+                return type(blk).forward(blk, *a, **k)
+            return forward
+
+        for blk in decoder_layers(m) + decoder_layers(model):
+            blk.forward = counted(blk)
+        with monkeypatch.context() as mp:
+            if not shared:
+                mp.setattr(keptfit, "_shared_prefix", lambda *a: 0)
+            rep = guarded_refit(m, model, win, pairs, 0.1, 4, 16)
+        for blk in decoder_layers(m) + decoder_layers(model):
+            del blk.forward
+        return rep, m.state_dict(), calls[0]
+
+    (r1, s1, c1), (r0, s0, c0) = run(True), run(False)
+    assert r1["heldout_kl"] == r0["heldout_kl"] and r1["kept"] == r0["kept"]
+    assert all(torch.equal(s1[k], s0[k]) for k in s0)
+    assert c1 < c0
+    hooked = copy.deepcopy(fixed)
+    decoder_layers(hooked)[1].register_forward_pre_hook(lambda *a: None)
+    assert _shared_prefix(hooked, model, 3) == 1
+    with torch.no_grad():
+        hooked.model.embed_tokens.weight[0, 0] += 1
+    assert _shared_prefix(hooked, model, 3) == 0

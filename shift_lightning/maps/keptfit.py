@@ -103,6 +103,12 @@ class Walk:
         """The block the states enter, brought in for the length of a ``with``."""
         return self.placement.block(self.model, self.at, self.device)
 
+    def take(self, other: "Walk") -> "Walk":
+        """Start from ``other``'s states (the same windows, a model whose blocks up to ``other.at`` compute exactly as
+        this one's: :func:`_shared_prefix`), so those blocks run once for both models."""
+        self.h, self.at = list(other.h), other.at
+        return self
+
     def fork(self) -> "Walk":
         """A walk from here on the same states (the states are not copied: blocks make new ones)."""
         other = copy.copy(self)
@@ -171,6 +177,33 @@ class Walk:
                     w += 1
 
 
+def _shared_prefix(pruned, original, upto: int) -> int:
+    """How many leading blocks (at most ``upto``) ``pruned`` computes exactly as ``original``: the same embedding
+    (else none), then block by block the same stored block with nothing on it (no hook, no fold, no weights put over
+    it; in memory: equal weights)."""
+    pp, po = placement_of(pruned), placement_of(original)
+
+    def same(mp, mo, prefix: str) -> bool:
+        if any((m._forward_pre_hooks or m._forward_hooks) for m in (*mp.modules(), *mo.modules())):
+            return False
+        names_p, names_o = [n for n, _ in mp.named_parameters()], [n for n, _ in mo.named_parameters()]
+        if names_p != names_o:
+            return False
+        if pp.onloaded:
+            return all(not pl.folds.get(prefix) and not pl.overrides.get(prefix) for pl in (pp, po)) \
+                and all(t.is_meta for t in (*mp.parameters(), *mo.parameters()))
+        return all(torch.equal(a, b) for a, b in zip(mp.parameters(), mo.parameters()))
+
+    if not same(pruned.model.embed_tokens, original.model.embed_tokens, "model.embed_tokens."):
+        return 0
+    bp, bo = decoder_layers(pruned), decoder_layers(original)
+    s = 0
+    while s < min(upto, len(bp), len(bo)) and (not pp.onloaded or pp.sources[s] == po.sources[s]) \
+            and same(bp[s], bo[s], pp.sources[s] if pp.onloaded else ""):
+        s += 1
+    return s
+
+
 def _device(model) -> torch.device:
     """Where ``model``'s weights are (an onloaded skeleton's are meta: the CPU)."""
     p = next((p for p in model.parameters() if not p.is_meta), None)
@@ -228,7 +261,8 @@ def refit_kept(pruned, original, windows, pairs: list[tuple[int, int]], damping:
     blocks = decoder_layers(pruned)
     for p, o in pairs:
         check_block(blocks[p], f"block {o}", post_norm)
-    wp, wo = Walk(pruned, windows, pairs[0][0], device=device), Walk(original, windows, pairs[0][1], device=device)
+    wo = Walk(original, windows, _shared_prefix(pruned, original, pairs[0][0]), device=device)
+    wp = Walk(pruned, windows, device=device).take(wo)  # the blocks both compute alike run once
     report = []
     for p, o in pairs:
         wp.advance_to(p)
@@ -381,10 +415,14 @@ def guarded_refit(pruned, original, windows, pairs: list[tuple[int, int]], dampi
     blocks = decoder_layers(pruned)
     for p, o in pairs:
         check_block(blocks[p], f"block {o}")
-    refs = references(Walk(original, judge, device=device), topk)
-    jw = Walk(pruned, judge, pairs[0][0], device=device)  # the held-out windows, up to the first re-fitted block
+    shared = _shared_prefix(pruned, original, pairs[0][0])  # blocks both models compute alike: run once for both
+    ref_walk = Walk(original, judge, shared, device=device)
+    jw = Walk(pruned, judge, device=device).take(ref_walk)  # the held-out windows, up to the first re-fitted block
+    refs = references(ref_walk, topk)
+    jw.advance_to(pairs[0][0])
     best = heldout_kl(jw.fork(), refs, reduce)
-    wp, wo = Walk(pruned, fit, pairs[0][0], device=device), Walk(original, fit, pairs[0][1], device=device)
+    wo = Walk(original, fit, shared, device=device)
+    wp = Walk(pruned, fit, device=device).take(wo)
     scores, kept, saved = {"none": best}, [], {}
     for p, o in pairs:
         before = _snapshot(pruned, p)
