@@ -38,15 +38,9 @@ class CalibrationConfig:
     """How the maps that replace removed blocks are fitted."""
 
     solver: SolverName = "lra_replaceme"
-    """The method that fits the maps (default ``lra_replaceme``: the closest of both grids at 1.00–1.09× the LRA's
-    calibration time, ``docs/results.md``): ``lra`` (the paper's LRA, y = x + xWᵀ + b), ``lra_replaceme`` (one LRA per
-    removed span and ReplaceMe's map on the branch before it, fitted together), ``nobias`` (y = x + xWᵀ, Ghosted
-    Layers), ``replaceme`` / ``replaceme_cosine`` (ReplaceMe's map folded into the last kept block's MLP: least
-    squares / its cosine objective), ``linearpatch`` (P = H D Hᵀ), ``guarded`` (per span, the map closest to the
-    original on held-out calibration windows), ``stock`` (every map folded into weights the model has: a plain folder
-    of its family, for llama.cpp and vLLM). How it is fitted are the knobs below (``granularity``, ``mode``,
-    ``rank``, ``guard_extra``); ``docs/configuration.md`` spells the retired names (``lra_span``, ``lra_auto``, …)
-    with them."""
+    """The method that fits the maps: ``lra``, ``lra_replaceme`` (default), ``nobias``, ``replaceme``,
+    ``replaceme_cosine``, ``linearpatch``, ``guarded`` or ``stock`` (what each fits: ``docs/configuration.md``; why
+    the default: ``docs/results.md``; retired names such as ``lra_span`` are spelled there with the knobs below)."""
     mode: Literal["independent", "sequential", "anchored", "auto"] = "independent"
     """``independent`` (one pass of the original model), ``sequential`` (each site sees the corrected
     pruned model's hidden states; about one pass in all, block by block) or ``anchored`` (sequential, and
@@ -96,16 +90,9 @@ class CalibrationConfig:
     seed: int = 0
     """Seed of the iterative solvers (``replaceme_cosine``'s data order)."""
     refit_kept: int | Literal["all"] = 0
-    """Once the maps are in place, re-fit the first k kept blocks after each removed span (``all``: every kept
-    block after it) in closed form
-    (:mod:`shift_lightning.maps.keptfit`): their linear layers absorb the stream's drift, each by one ridge regression
-    towards its own weights on the calibration windows; block by block, a re-fit is kept only if it brings the model
-    closer to the original on the held-out calibration windows (every ``heldout_every``-th; KL over the original's
-    top ``guard_topk``), then the kept ones are re-fitted on all windows. 0 (default): off. Llama layout only
-    (Gemma3's norms between branch and stream are refused: measured to hurt). No parameters are added, but those
-    blocks' weights change: a full save holds them, an adapter-only save (``train.py``'s) stores them beside the
-    adapters. With few windows, more blocks can overfit (``docs/results.md#the-kept-block-re-fit``); the held-out
-    check decides per block."""
+    """Re-fit the first k kept blocks after each removed span (``all``: every one) in closed form once the maps are in
+    place, each kept only if the held-out calibration windows get closer to the original (0: off; Llama layout only;
+    what it does: ``docs/method.md#the-kept-block-re-fit``; what it gains: ``docs/results.md#the-kept-block-re-fit``)."""
     refit_damping: float = 0.1
     """The re-fit's relative damping δ towards each layer's own weights (λ = δ · mean diag(XᵀX))."""
 

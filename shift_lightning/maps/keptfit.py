@@ -415,14 +415,8 @@ def guarded_refit(pruned, original, windows, pairs: list[tuple[int, int]], dampi
     blocks = decoder_layers(pruned)
     for p, o in pairs:
         check_block(blocks[p], f"block {o}")
-    shared = _shared_prefix(pruned, original, pairs[0][0])  # blocks both models compute alike: run once for both
-    ref_walk = Walk(original, judge, shared, device=device)
-    jw = Walk(pruned, judge, device=device).take(ref_walk)  # the held-out windows, up to the first re-fitted block
-    refs = references(ref_walk, topk)
-    jw.advance_to(pairs[0][0])
+    jw, refs, wp, wo = _guard_walks(pruned, original, fit, judge, pairs[0][0], topk, device)
     best = heldout_kl(jw.fork(), refs, reduce)
-    wo = Walk(original, fit, shared, device=device)
-    wp = Walk(pruned, fit, device=device).take(wo)
     scores, kept, saved = {"none": best}, [], {}
     for p, o in pairs:
         before = _snapshot(pruned, p)
@@ -445,6 +439,19 @@ def guarded_refit(pruned, original, windows, pairs: list[tuple[int, int]], dampi
         _restore(pruned, p, before)
     return {"heldout_kl": scores, "kept": [o for _, o in kept],
             "blocks": refit_kept(pruned, original, mine, kept, damping, reduce=reduce, device=device)}
+
+
+def _guard_walks(pruned, original, fit, judge, first: int, topk: int, device):
+    """The guard's walks: the held-out windows' pruned walk up to block ``first`` and the original's top-``topk``
+    references on them, and the fitting windows' walks of both models; the blocks both compute alike
+    (:func:`_shared_prefix`) run once for both."""
+    shared = _shared_prefix(pruned, original, first)
+    ref_walk = Walk(original, judge, shared, device=device)
+    jw = Walk(pruned, judge, device=device).take(ref_walk)
+    refs = references(ref_walk, topk)
+    jw.advance_to(first)
+    wo = Walk(original, fit, shared, device=device)
+    return jw, refs, Walk(pruned, fit, device=device).take(wo), wo
 
 
 def kept_tensors(model, positions: list[int]) -> dict[str, torch.Tensor]:
