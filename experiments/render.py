@@ -137,6 +137,12 @@ def jobs() -> list[Job]:
                                "--train_source", "mixed", "--runs", "[lra_lora_kd]", "--steps", "500",
                                "--train_samples", "2000", "--val_every", "100", *_MIXED_GRID,
                                "--out", "results/recovery_kd500_fresh_mixed", "--render_only")),
+        # the price after recovery: one folder per repair, the parent's table across them
+        Job("recovery_table", ("--model", "smollm2-135m", "--criteria", "[angular, reverse_star]", "--repair", "stock",
+                               "--grid.refit_kept", "2", "--train_source", "mixed", "--runs", "[lra_lora_kd]", "--steps",
+                               "200", "--grid.calib_source", "mixed", "--grid.out", "results/paper_mixed_refit",
+                               "--out", "results/recovery_price/stock_refit2", "--render_only")),
+        Job("recovery_table", ("--out", "results/recovery_price", "--render_only")),
         # research checks that render from their JSON (the others run a model: NOT_RENDERED)
         Job("checks/kd_plateau"),
         *(Job("checks/replaceme_cosine_check", ("--model", m, "--criterion", c, "--render_only"))
