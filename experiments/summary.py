@@ -9,7 +9,7 @@ beside it we report a summary a collapsed model cannot win:
 
 the share of the original model's above-chance accuracy that is kept. ``chance_t`` is the best
 answer-blind strategy on the same docs (uniform guessing or always the same choice index, e.g.
-BoolQ's "yes"; :func:`~shift_lightning.evaluation.runner.chance_level`); a task is *eligible* when
+BoolQ's "yes"; :func:`~shift_lightning.evaluation.evaluator.chance_level`); a task is *eligible* when
 the original is clearly above chance on it (margin over 3 bootstrap standard errors). A model
 answering at chance keeps 0 %, the original keeps 100 %.
 

@@ -201,7 +201,7 @@ def model_card(spec: dict, model: nn.Module | None, facts: CardFacts | None = No
     cal, rec = facts.calibration or {}, facts.recovery or {}
     base = base_model_info(spec.get("base_model") or cal.get("model"))
     n, removed = spec["original_num_layers"], spec["pruned_layers"]
-    solver = spec.get("solver") or spec.get("correction") or "none"
+    solver = spec.get("solver") or "none"
     rows, n_adapters = _what_was_done(spec, model, facts, base)
     short = base.hub_id.split("/")[-1] if base.hub_id else base.name.strip("`").split("`")[0]
     title = title or f"{short}, {len(removed)} of {n} blocks removed" + (f", repaired: {solver}" if solver != "none" else "")
@@ -241,7 +241,7 @@ def _what_was_done(spec: dict, model, facts: CardFacts, base) -> tuple[list[tupl
     """The "What was done" table's rows, and the number of adapters."""
     cal, rec = facts.calibration or {}, facts.recovery or {}
     n, removed = spec["original_num_layers"], spec["pruned_layers"]
-    solver = spec.get("solver") or spec.get("correction") or "none"
+    solver = spec.get("solver") or "none"
     n_a, n_m, p = _params(model)
     total = sum(t.numel() for t in model.parameters()) if model is not None else None
     repair = f"`{solver}`: {describe(solver)}"

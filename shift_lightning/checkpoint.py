@@ -39,7 +39,7 @@ from .maps.keptfit import KeptFitError, kept_tensors, put_kept_tensors
 from .maps.lra import AdapterSpec, LinearResidualAdapter
 from .maps.peers import fold_replaceme
 from .maps.surgery import SurgeryError, adapter_set, attach_adapters, branch_maps, fold_down, fold_embedding, remove_blocks
-from .maps.record import FORMAT_VERSION, LRA_WEIGHTS, SHIFT_CONFIG, ShiftSpec  # noqa: F401  (re-exported)
+from .maps.record import LRA_WEIGHTS, SHIFT_CONFIG, ShiftSpec  # noqa: F401  (ShiftSpec: re-exported for the recipes)
 from .weightfiles import (check_finite, check_model_config, check_safetensors_files, check_weight_shapes, pickles_in,
                           refusing_pickles)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .calibration.config import CalibrationConfig, SolverName  # noqa: F401 (re-exported)
+from .calibration.config import CalibrationConfig  # noqa: F401 (user-facing: every config class in one module)
 from .errors import ConfigError, DataError
 
 __all__ = ["CALIBRATION_SOURCE", "DEFAULT_TARGETS", "CalibrationConfig", "EvalConfig", "ModelConfig", "PruneConfig",

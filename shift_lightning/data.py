@@ -11,9 +11,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from .config import CALIBRATION_SOURCE, TextDataConfig  # noqa: F401 (re-exported)
-from .sources import (DataError, _loads, _records_to_texts, load_texts, read_text_file,  # noqa: F401 (re-exported)
-                      wiki_summaries, wiki_summaries_path)
+from .config import TextDataConfig  # noqa: F401 (user-facing: beside build_windows)
+from .sources import DataError, load_texts  # noqa: F401 (user-facing: beside build_windows)
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from . import assets
 from .config import ModelConfig  # noqa: F401 (re-exported)
-from .arch import SUPPORTED_FAMILIES, ModelLoadError, decoder_layers, final_norm  # noqa: F401 (re-exported)
+from .arch import SUPPORTED_FAMILIES, ModelLoadError, decoder_layers  # noqa: F401 (user-facing: beside load_model)
 from .outputs import make_temp_dir
 
 log = logging.getLogger(__name__)

@@ -44,12 +44,11 @@ from torch import nn
 
 from . import dist, stopping
 from .arch import base_model, decoder_layers
-from .config import DEFAULT_TARGETS, RecoveryConfig  # noqa: F401 (re-exported)
+from .config import RecoveryConfig  # noqa: F401 (user-facing: beside RecoveryModule)
 from .errors import ConfigError
 from .closeness import kd_loss_sum, kl_top1_from_hidden
 from .nll import lm_nll_sum
 from .maps.sites import pruned_positions
-from .stepdata import RecoveryData, StepBatchSampler  # noqa: F401 (re-exported)
 from .maps.surgery import adapter_module_names, adapter_set
 
 class RecoveryModule(L.LightningModule):

@@ -14,7 +14,8 @@ import torch
 
 from shift_lightning.evaluation import scoring as S
 from shift_lightning.evaluation.perplexity import stride_windows, window_nll
-from shift_lightning.evaluation.runner import EvalConfig, check_tokenizer, evaluate_model
+from shift_lightning.evaluation.evaluator import check_tokenizer
+from shift_lightning.evaluation.runner import EvalConfig, evaluate_model
 from shift_lightning.evaluation.tasks import TASKS, TaskError, get_task, load_docs, parse_tasks
 from shift_lightning.models import build_tiny_model
 

@@ -47,9 +47,8 @@ import numpy as np
 import torch
 
 from shift_lightning.errors import ShiftError
-from shift_lightning.export.gguf import (LLAMA_CPP_PYTHON, SDIST, GGUFError, check_folder, check_layer_metadata, find_converter,
-                                  run_converter, export_gguf,
-                                  llama_cpp_cache)
+from shift_lightning.export.gguf import GGUFError, check_folder, check_layer_metadata, export_gguf, find_converter, run_converter
+from shift_lightning.export.gguf_converter import LLAMA_CPP_PYTHON, SDIST, llama_cpp_cache
 from shift_lightning.outputs import write_json_atomic, write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..arch import decoder_layers
-from ..data import TokenWindows, check_windows  # noqa: F401  (re-exported)
+from ..data import TokenWindows, check_windows
 from ..errors import ConfigError
 from ..passes import DataPass, sum_across_ranks
 from ..placement import placement_of

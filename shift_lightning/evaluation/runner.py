@@ -21,8 +21,7 @@ from .. import dist
 from ..data import RankShard
 from ..passes import DataPass, sum_across_ranks
 from . import scoring as S
-from .evaluator import (EvalConfig, Evaluator, TokenizerMissing, Unit, check_tokenizer,  # noqa: F401 (re-exported)
-                        chance_level, make_evaluator)
+from .evaluator import EvalConfig, Evaluator, Unit, make_evaluator  # noqa: F401 (user-facing: EvalConfig)
 
 def run_units(model: nn.Module, evaluator: Evaluator, units: list[Unit], progress: bool, record: bool = False,
               stage: str = "evaluation") -> None:

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import assets
-from ..data import read_text_file
+from ..sources import read_text_file
 from ..errors import ShiftError
 
 #: oe-eval duplicates each doc with ``doc_id + 1_000_000`` for unconditional scoring.

@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError, ShiftError
-from .gguf_converter import (CONVERTER, LLAMA_CPP_PYTHON, SDIST, GGUFError, check_converter_deps,  # noqa: F401
-                             find_converter, llama_cpp_cache, run_converter)
+from .gguf_converter import GGUFError, check_converter_deps, find_converter, run_converter  # noqa: F401 (GGUFError: user-facing)
 
 #: The output types this export supports (llama.cpp's converter writes them without a quantize binary).
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")

@@ -18,7 +18,6 @@ from __future__ import annotations
 from torch import nn
 
 from ..arch import block_input, decoder_layers, final_norm, with_block_input
-from .sites import contiguous_spans, pruned_positions  # noqa: F401 (re-exported)
 from ..errors import ShiftError
 from .peers import BranchMap, fold_replaceme
 

@@ -24,7 +24,8 @@ from .. import dist
 from ..arch import decoder_layers
 from ..calibration import CalibrationConfig, CalibrationModule, check_windows
 from ..criteria import CRITERIA, CriterionError, PruneConfig, check_layers, num_to_remove
-from ..data import CALIBRATION_SOURCE, DataError, TextDataConfig, build_windows, check_seq_len
+from ..config import CALIBRATION_SOURCE
+from ..data import DataError, TextDataConfig, build_windows, check_seq_len
 from ..config import default_heldout
 from ..errors import ConfigError
 from ..models import ModelConfig, num_params

@@ -34,7 +34,8 @@ from ..calibration import CalibrationConfig
 from ..card import CardFacts, base_model_name
 from ..criteria import PruneConfig
 from ..config import default_heldout
-from ..data import CALIBRATION_SOURCE, TextDataConfig, build_windows
+from ..config import CALIBRATION_SOURCE
+from ..data import TextDataConfig, build_windows
 from ..errors import ConfigError
 from ..export.merged import export_recovered
 from ..evaluation.runner import EvalConfig
@@ -45,7 +46,8 @@ from ..outputs.fingerprints import input_digest, read_key
 from ..precheck import check_training
 from ..remote_code import base_model_settings
 from ..reports import RecoveryReport
-from ..recovery import RecoveryConfig, RecoveryData, RecoveryModule
+from ..recovery import RecoveryConfig, RecoveryModule
+from ..stepdata import RecoveryData
 from ..stepdata import visited
 from ..checkpoint import ShiftSpec, is_shift_folder, load_pretrained, read_shift_config
 from ..resume import (AtomicCheckpointIO, check_checkpoint_dir, check_run, clear_checkpoints, read_checkpoint,
