@@ -228,6 +228,8 @@ FAKE = textwrap.dedent("""
     w = gguf.GGUFWriter(a.outfile, "gemma3" if mode == "gemma3" else "llama")
     w.add_block_count(blocks)
     w.add_string("test.outtype", a.outtype)
+    if os.environ.get("FAKE_PRE"):  # the pre-tokenizer the real converter names from its tokenizer hash
+        w.add_tokenizer_pre(os.environ["FAKE_PRE"])
     if mode == "gemma3":  # what the real converter writes for Gemma3: a window, no per-layer pattern
         w.add_sliding_window(512)
         w.add_token_list(["<pad>", "a", "b"])
@@ -409,3 +411,31 @@ def test_a_full_disk_under_the_converter_is_named_not_its_traceback(stock, tmp_p
     assert e.value.code == 2 and "Traceback" not in err and "Errno 28" not in err, err
     assert f"error: The disk holding {tmp_path} is full" in err and "nothing was written" in err
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".full")]
+
+
+@pytest.mark.parametrize("pre_tokenizer, named, written", [
+    ({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}, "smollm", "gpt-2"),
+    ({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}, "gpt-2", "gpt-2"),
+    ({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
+                                            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                             "use_regex": True}]}, "smollm", "smollm"),
+])
+def test_the_export_names_gpt2s_pre_tokenizer_where_the_folder_splits_like_gpt2(stock, tmp_path, fake_llama_cpp,
+                                                                                monkeypatch, pre_tokenizer, named,
+                                                                                written):
+    """The converter names llama.cpp's pre-tokenizer from a hash that cannot tell SmolLM2's digit splitting from
+    GPT-2's regex: a folder whose tokenizer.json splits with GPT-2's regex alone gets ``gpt-2`` (llama.cpp then
+    gives the folder's ids), one that splits digits first keeps the converter's name; every other key stays."""
+    import shutil
+
+    from gguf import GGUFReader
+
+    folder = tmp_path / "f"
+    shutil.copytree(stock, folder)
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    (folder / "tokenizer.json").write_text(json.dumps({**tj, "pre_tokenizer": pre_tokenizer}))
+    monkeypatch.setenv("FAKE_PRE", named)
+    r = GGUFReader(str(export_gguf(folder, tmp_path / "f.gguf", "f16", llama_cpp=fake_llama_cpp)))
+    assert r.fields["tokenizer.ggml.pre"].contents() == written
+    assert r.fields["test.outtype"].contents() == "f16" and r.fields["llama.block_count"].contents() == 3
+    assert len(r.tensors) == 3

@@ -52,6 +52,9 @@ def test_tiny_random_llama_pruned_by_one_block(check, tmp_path):
     saved = json.loads((tmp_path / "tiny-llama.json").read_text())
     assert saved["formats"]["f16"]["kl_mean"] == doc["formats"]["f16"]["kl_mean"]
     assert "| f32 |" in (tmp_path / "tiny-llama.md").read_text()
+    # SmolLM2's tokenizer: llama.cpp's own gives transformers' ids on documents, code and blank lines before digits
+    assert {g: (t["identical"], t["texts"]) for g, t in doc["tokenizers"].items()} == {
+        "held-out documents": (20, 20), "Python source": (5, 5), "newlines, spaces and numbers": (8, 8)}, doc["tokenizers"]
 
 
 def test_smollm2_135m_pruned_by_a_quarter_without_repair(check, tmp_path):

@@ -190,6 +190,45 @@ def heldout_prompts(tok, n: int, prompt_len: int, bos: bool, seed: int = 0) -> t
     return prompts, texts
 
 
+#: Short texts where pre-tokenizers part: blank lines and indentation before digits, runs of spaces and tabs,
+#: numbered lists, figures with separators (each a case llama.cpp's tokenizer was seen to split otherwise).
+CRAFTED = ("Steps:\n\n1. Open the file.\n2. Close it.\n\n3. Done.", "Item\n\n0. zero", "x\n\n\n3 y",
+           "a\t7\tb\t\t8", "In 1990,  42 people and   7 dogs", "Total: 1,234.56\n\n  99% of 2024",
+           "    return 10\n\n\n    x = 2", "v2.0.1-rc3 (2024-12-07)\n\n\t12:30")
+
+
+def tokenizer_probes(texts: list[str]) -> dict[str, list[str]]:
+    """Texts to tokenize with both tokenizers: the prompts' held-out documents, real code (the first 1,500
+    characters of five Python standard-library modules: indentation, blank lines, numbers) and :data:`CRAFTED`."""
+    import difflib
+    import inspect
+    import json as json_module
+    import string
+    import textwrap
+
+    code = [inspect.getsource(m)[:1500] for m in (json_module, textwrap, argparse, string, difflib)]
+    return {"held-out documents": list(texts), "Python source": code, "newlines, spaces and numbers": list(CRAFTED)}
+
+
+def compare_tokenizers(llm, tok, probes: dict[str, list[str]]) -> dict:
+    """Per group of texts: how many llama.cpp's own tokenizer (``Llama.tokenize``) encodes to transformers' ids,
+    and the first few places where they part (the text there, both runtimes' next ids)."""
+    out = {}
+    for name, group in probes.items():
+        same, examples = 0, []
+        for t in group:
+            a = tok(t, add_special_tokens=False)["input_ids"]
+            b = llm.tokenize(t.encode("utf-8"), add_bos=False, special=False)
+            if a == b:
+                same += 1
+                continue
+            k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            if len(examples) < 3:
+                examples.append({"at": tok.decode(a[max(0, k - 2):k + 2]), "hf": a[k:k + 3], "llama_cpp": b[k:k + 3]})
+        out[name] = {"identical": same, "texts": len(group), "examples": examples}
+    return out
+
+
 def heldout_windows(tok, model_type: str, n: int, seq_len: int) -> torch.Tensor:
     from shift_lightning.data import TextDataConfig, build_windows
 
@@ -268,11 +307,13 @@ def run_check(folder: str | Path | None = None, model: str | None = None, name: 
               prompts: int = 20, prompt_len: int = 32, new_tokens: int = 16, windows: int = 8, seq_len: int = 128,
               out_dir: str | Path = ROOT / "results" / "llama_cpp", work: str | Path | None = None,
               llama_cpp: str | None = None, threads: int | None = None, unchecked: bool = False,
-              command: str | None = None, kv_f32: bool = False) -> dict:
+              command: str | None = None, kv_f32: bool = False, flash_attn: bool = False) -> dict:
     """Export ``folder`` (or ``model`` pruned into a work folder) in each format, compare llama.cpp with
     transformers on it, write ``<out_dir>/<name>.json`` and ``.md``; returns the JSON document. ``unchecked``: run the
     converter alone (no layer metadata check) and record what the check says instead of refusing the file, to
-    measure what llama.cpp does with a file the export refuses."""
+    measure what llama.cpp does with a file the export refuses. ``flash_attn``: llama.cpp's flash attention
+    (llama-cpp-python's default is off; llama.cpp's own tools default to ``-fa auto``, on where the backend has it,
+    which includes the CPU)."""
     from shift_lightning.checkpoint import load_pretrained
     from shift_lightning.data import wants_bos
 
@@ -309,7 +350,7 @@ def run_check(folder: str | Path | None = None, model: str | None = None, name: 
         n_ctx = max(seq_len, prompt_len + new_tokens)
         threads = threads or max(1, (os.cpu_count() or 2) // 2)  # llama-cpp-python's own default
         rows = {}
-        tokenizer_same = None
+        tokenizer_same = tokenizers = None
         for fmt in formats:
             path = work / f"{name}-{fmt}.gguf"
             t0 = time.time()
@@ -331,10 +372,10 @@ def run_check(folder: str | Path | None = None, model: str | None = None, name: 
             block_count = int(meta[f"{meta['general.architecture'].contents()}.block_count"].contents())
             kv = {"type_k": 0, "type_v": 0} if kv_f32 else {}  # GGML_TYPE_F32; default: its f16 cache
             llm = lc.Llama(model_path=str(path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
-                           seed=0, verbose=False, **kv)
+                           seed=0, verbose=False, flash_attn=flash_attn, **kv)
             if tokenizer_same is None:
-                tokenizer_same = sum(llm.tokenize(t.encode("utf-8"), add_bos=False, special=False)
-                                     == tok(t, add_special_tokens=False)["input_ids"] for t in texts)
+                tokenizers = compare_tokenizers(llm, tok, tokenizer_probes(texts))
+                tokenizer_same = tokenizers["held-out documents"]["identical"]
             t0 = time.time()
             ll_gen = [llama_greedy(llm, p, new_tokens) for p in ps]
             ll_lp = llama_logprobs(llm, wins)
@@ -361,8 +402,10 @@ def run_check(folder: str | Path | None = None, model: str | None = None, name: 
            "settings": {"prompts": len(ps), "prompt_len": prompt_len, "new_tokens": new_tokens, "windows": windows,
                         "seq_len": seq_len, "bos": bos, "text": "wiki-summaries, heldout split (no calibration text)",
                         "reference": "shift_lightning.load_pretrained(folder), float32, transformers",
-                        "threads": threads, "kv_cache": "f32" if kv_f32 else "f16"},
-           "tokenizer_identical": f"{tokenizer_same}/{len(texts)}", "hf_s": round(hf_seconds, 1),
+                        "threads": threads, "kv_cache": "f32" if kv_f32 else "f16",
+                        "flash_attn": "on" if flash_attn else "off"},
+           "tokenizer_identical": f"{tokenizer_same}/{len(texts)}", "tokenizers": tokenizers,
+           "hf_s": round(hf_seconds, 1),
            "formats": rows, "seconds": round(time.time() - t_all, 1),
            "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count()},
            "command": command or command_line(folder if "folder" in source else None, model, name, formats, layers)}
@@ -392,19 +435,21 @@ def render(doc: dict) -> str:
     s, src = doc["settings"], doc["source"]
     what = (f"`{src['folder']}`" if "folder" in src else src["model"])
     pruned = src.get("pruned_layers")
+    solver = src.get("solver") or src.get("correction")  # results written before the key was renamed
     lines = [f"# {doc['name']} in llama.cpp vs transformers", "",
              f"{what}: {doc['model_type']}, {doc['num_hidden_layers']} blocks"
              + (f" ({_blocks(pruned)} of {src['original_num_layers']} removed"
-                f"{', ' + src['solver'] if src.get('solver') else ''})" if pruned else "") + ". "
+                f"{', ' + solver if solver else ''})" if pruned else "") + ". "
              f"Exported with {doc['converter']}; run with llama-cpp-python {doc['llama_cpp_python']} "
              f"({s['threads']} threads, CPU, "
-             f"{'an f32 KV cache' if s.get('kv_cache') == 'f32' else 'its default f16 KV cache'}). Reference: "
+             f"{'an f32 KV cache' if s.get('kv_cache') == 'f32' else 'its default f16 KV cache'}, "
+             f"flash attention {s.get('flash_attn', 'off')}). Reference: "
              f"{s['reference']}.", "",
              f"Greedy: {s['new_tokens']} new tokens after each of {s['prompts']} prompts ({s['prompt_len']} tokens of "
              f"held-out documents). KL(HF ‖ llama.cpp): nats per predicted token over {s['windows']} windows × "
              f"{s['seq_len']} tokens ({s['text']}). Both runtimes get the HF tokenizer's ids; llama.cpp's own "
              f"tokenizer gives the same ids for {doc['tokenizer_identical']} of the prompts' documents "
-             "(first 400 characters).", "",
+             "(first 400 characters).", "", *_tokenizer_lines(doc.get("tokenizers")),
              C.md_table(["format", "file MB", "block_count", "greedy identical", "KL mean", "KL max", "top-1 agree",
                          "ppl HF", "ppl llama.cpp"],
                         [[f, r["file_mb"], r["block_count"], f"{r['greedy_identical']}/{r['greedy_prompts']}",
@@ -420,6 +465,17 @@ def render(doc: dict) -> str:
     lines += ["", f"Reproduce: `{doc['command']}` ({doc['seconds']:.0f} s). llama_cpp module: "
               f"`{doc.get('llama_cpp_module', '?')}`, its library: `{doc.get('llama_cpp_library', '?')}`."]
     return "\n".join(lines) + "\n"
+
+
+def _tokenizer_lines(tokenizers: dict | None) -> list[str]:
+    """The tokenizer comparison's table (older results have none)."""
+    if not tokenizers:
+        return []
+    rows = [[name, f"{g['identical']}/{g['texts']}", "; ".join(
+        f"{e['at']!r}: HF {e['hf']} vs llama.cpp {e['llama_cpp']}" for e in g["examples"]) or "–"]
+        for name, g in tokenizers.items()]
+    return ["llama.cpp's own tokenizer (`Llama.tokenize`) against transformers' on the same texts:", "",
+            C.md_table(["texts", "same ids", "where they part (first differing ids)"], rows), ""]
 
 
 def rerender(json_file: str | Path) -> Path:
@@ -445,6 +501,8 @@ def main(argv=None):
     ap.add_argument("--unchecked", action="store_true", help="convert without the layer metadata check and record "
                     "its verdict: what llama.cpp does with a file the export refuses")
     ap.add_argument("--kv_f32", action="store_true", help="run llama.cpp with an f32 KV cache (default: its f16 one)")
+    ap.add_argument("--flash_attn", action="store_true", help="run llama.cpp with flash attention (default: off, "
+                    "llama-cpp-python's default; llama.cpp's own tools turn it on by default)")
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp's threads (default: half the cores)")
     ap.add_argument("--out", default=str(ROOT / "results" / "llama_cpp"))
     a = ap.parse_args(argv)
@@ -455,7 +513,7 @@ def main(argv=None):
     try:
         doc = run_check(a.folder, a.model, a.name, tuple(a.formats.split(",")), layers, a.prompts, a.prompt_len,
                         a.new_tokens, a.windows, a.seq_len, a.out, llama_cpp=a.llama_cpp, threads=a.threads,
-                        unchecked=a.unchecked, kv_f32=a.kv_f32,
+                        unchecked=a.unchecked, kv_f32=a.kv_f32, flash_attn=a.flash_attn,
                         command=shlex.join(["python", "experiments/checks/llama_cpp_check.py",
                                             *(sys.argv[1:] if argv is None else argv)]))
     except (ShiftError, GGUFError) as e:

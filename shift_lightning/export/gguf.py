@@ -19,8 +19,13 @@ Sliding-window families (Gemma2, Gemma3): the converter writes no per-layer atte
 llama.cpp's loader then assumes the unpruned model's fixed one (every 6th block full attention for
 Gemma3), which is wrong once blocks are removed across it. Where the folder's ``layer_types`` differs
 from what llama.cpp would run, the export writes the folder's pattern into the file
-(``<arch>.attention.sliding_window_pattern``, one bool per block: :func:`write_attention_pattern`),
+(``<arch>.attention.sliding_window_pattern``, one bool per block: :func:`rewrite_metadata`),
 the array those loaders read first; the check then confirms every block gets the folder's attention.
+
+The tokenizer: the converter names llama.cpp's pre-tokenizer (``tokenizer.ggml.pre``) by hashing the folder
+tokenizer's ids on one fixed text, which cannot tell every difference apart. Where the folder splits text with
+GPT-2's regex alone and the converter named a pre-tokenizer llama.cpp runs otherwise, the export names GPT-2's
+(:func:`pre_tokenizer_to_write`), so that llama.cpp's own tokenizer gives the folder's ids.
 
 A *marked* folder (``model_type: shift_<family>``, adapters or ReplaceMe maps, see
 :mod:`shift_lightning.remote_code`) is refused: llama.cpp cannot run the adapters.
@@ -50,6 +55,10 @@ PER_LAYER_KEYS = ("feed_forward_length", "attention.head_count", "attention.head
 #: block ``i`` is full attention when ``i % n == n - 1`` (``dense_first``: when ``i % n == 0``).
 SWA_DEFAULTS = {"gemma3": (6, False), "gemma2": (2, False)}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+#: ``tokenizer.ggml.pre`` names llama.cpp runs with GPT-2's regex alone (``LLAMA_VOCAB_PRE_TYPE_GPT2`` in its
+#: ``src/llama-vocab.cpp``).
+GPT2_PRE = ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
+            "modern-bert")
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,28 +239,31 @@ def _check_attention_pattern(path: Path, reader, arch: str, num_layers: int, lay
                         "shift_lightning.recipes.gguf, which writes the folder's per-layer pattern)")
 
 
-def write_attention_pattern(src: str | Path, dst: str | Path, layer_types: list[str]) -> list[int]:
-    """Copy the GGUF ``src`` to ``dst`` with ``<arch>.attention.sliding_window_pattern`` set to the folder's
-    per-layer pattern (``config.json`` ``layer_types``: True where a block is sliding-window attention), the
-    array llama.cpp's Gemma2/Gemma3 loaders read before falling back to their fixed every-nth pattern. Every
-    other key and every tensor is copied unchanged. Returns the blocks whose attention this changes."""
+def rewrite_metadata(src: str | Path, dst: str | Path, layer_types: list[str] | None = None,
+                     pre: str | None = None) -> None:
+    """Copy the GGUF ``src`` to ``dst`` with, where given, ``<arch>.attention.sliding_window_pattern`` set to the
+    folder's per-layer pattern (``layer_types``: True where a block is sliding-window attention; the array llama.cpp's
+    Gemma2/Gemma3 loaders read before falling back to their fixed every-nth pattern) and ``tokenizer.ggml.pre`` set
+    to ``pre`` (:func:`pre_tokenizer_to_write`). Every other key and every tensor is copied unchanged."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     reader = GGUFReader(str(src))
     arch = str(reader.fields["general.architecture"].contents())
     key = f"{arch}.attention.sliding_window_pattern"
-    want = [t == "sliding_attention" for t in layer_types]
-    runs = attention_pattern_llama_cpp_runs(reader, arch, len(want))
-    changed = [i for i in range(len(want)) if runs is None or runs[0][i] != want[i]]
+    replaced = {"general.architecture"} | ({key} if layer_types is not None else set()) \
+        | ({"tokenizer.ggml.pre"} if pre is not None else set())
     writer = GGUFWriter(str(dst), arch, endianess=reader.endianess)
     for f in reader.fields.values():
         # the writer adds general.architecture and the GGUF.* header fields itself
-        if f.name in ("general.architecture", key) or f.name.startswith("GGUF."):
+        if f.name in replaced or f.name.startswith("GGUF."):
             continue
         vtype = f.types[0]
         writer.add_key_value(f.name, f.contents(), vtype,
                              sub_type=f.types[-1] if vtype == GGUFValueType.ARRAY else None)
-    writer.add_array(key, want)
+    if layer_types is not None:
+        writer.add_array(key, [t == "sliding_attention" for t in layer_types])
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
     for t in reader.tensors:
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
     writer.write_header_to_file()
@@ -260,7 +272,28 @@ def write_attention_pattern(src: str | Path, dst: str | Path, layer_types: list[
     for t in reader.tensors:
         writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
     writer.close()
-    return changed
+
+
+def pre_tokenizer_to_write(folder: Path, path: Path) -> str | None:
+    """``"gpt-2"`` where the folder's ``tokenizer.json`` splits text with GPT-2's regex alone (a bare ``ByteLevel``
+    pre-tokenizer) but the converter named a pre-tokenizer that llama.cpp runs differently; else None.
+
+    The converter recognises a tokenizer by hashing its ids on one fixed text, and that text cannot tell a
+    digit-splitting pre-tokenizer from GPT-2's where digits have no merges: SmolLM2's tokenizer as transformers
+    rebuilds it from a GGUF (a bare ``ByteLevel``) hashes as ``smollm``, whose llama.cpp regex first splits off
+    every digit, so a blank line before ``0.`` became one token in llama.cpp and two in transformers. The folder's
+    tokenizer is what was calibrated and evaluated; the GGUF is made to tokenize as it does."""
+    from gguf import GGUFReader
+
+    try:
+        pre_tok = json.loads((folder / "tokenizer.json").read_text()).get("pre_tokenizer")
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(pre_tok, dict) and pre_tok.get("type") == "ByteLevel" and pre_tok.get("use_regex", True)):
+        return None
+    f = GGUFReader(str(path)).fields.get("tokenizer.ggml.pre")
+    got = str(f.contents()) if f is not None else None
+    return None if got is None or got in GPT2_PRE else "gpt-2"
 
 
 def _pattern_to_write(path: Path, num_layers: int, layer_types) -> bool:
@@ -301,7 +334,8 @@ def export_gguf(folder: str | Path, outfile: str | Path, outtype: str = "f16", l
     """Convert the stock HF ``folder`` to ``outfile`` (``outtype``: f32, f16, bf16 or q8_0) with llama.cpp's
     ``convert_hf_to_gguf.py`` (``llama_cpp``: a llama.cpp checkout; default: the converter vendored in
     llama-cpp-python's sdist, cached), write the folder's per-layer attention pattern where llama.cpp would
-    otherwise assume another (:func:`write_attention_pattern`), check the written file's layer metadata
+    otherwise assume another and GPT-2's pre-tokenizer where the converter named another
+    (:func:`rewrite_metadata`), check the written file's layer metadata
     against the folder and publish it atomically. Returns ``outfile``. Never replaces an existing file unless ``overwrite``."""
     from ..outputs import is_write_failure, publish_file, write_failure_reason
 
@@ -323,14 +357,18 @@ def export_gguf(folder: str | Path, outfile: str | Path, outtype: str = "f16", l
         run_converter(checkout, folder, tmp, outtype)
         if not tmp.is_file():
             raise GGUFError(f"llama.cpp's converter exited without writing {tmp}")
-        if _pattern_to_write(tmp, doc["num_hidden_layers"], doc.get("layer_types")):
-            # the converter writes no per-layer pattern and llama.cpp's fixed one is the unpruned model's: write it
-            patterned = tmp.with_name(tmp.name + ".swa")
+        # the converter writes no per-layer pattern and llama.cpp's fixed one is the unpruned model's: write it;
+        # a tokenizer the converter mistook for one llama.cpp splits otherwise: name GPT-2's (one copy for both)
+        pattern = doc["layer_types"] if _pattern_to_write(tmp, doc["num_hidden_layers"], doc.get("layer_types")) \
+            else None
+        pre = pre_tokenizer_to_write(folder, tmp)
+        if pattern is not None or pre is not None:
+            rewritten = tmp.with_name(tmp.name + ".meta")
             try:
-                write_attention_pattern(tmp, patterned, doc["layer_types"])
-                os.replace(patterned, tmp)
+                rewrite_metadata(tmp, rewritten, pattern, pre)
+                os.replace(rewritten, tmp)
             finally:
-                patterned.unlink(missing_ok=True)
+                rewritten.unlink(missing_ok=True)
         check_layer_metadata(tmp, doc["num_hidden_layers"], original if isinstance(original, int) else None,
                              doc.get("layer_types") if isinstance(doc.get("layer_types"), list) else None)
         publish_file(tmp, outfile, overwrite)  # decides at the rename: an export that finished first keeps its file
