@@ -1,4 +1,4 @@
-"""What the kept-block re-fit (``--calibration.refit_kept``) costs, against the calibration it follows.
+"""What the kept-block re-fit (``--calibration.refit.kept``) costs, against the calibration it follows.
 
 On a real model and real calibration text: the selection (``--criterion``), then, timed, the calibration of
 ``--solver`` (``independent``, the recipe's settings), then the guarded re-fit of the first ``--refit_kept`` kept

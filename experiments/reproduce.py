@@ -50,6 +50,7 @@ from shift_lightning.evaluation.runner import EvalConfig
 from shift_lightning.evaluation.tasks import DEFAULT_TASKS
 from experiments.trunk import TrunkCache
 from shift_lightning.maps.keptfit import LAYERS, KeptFitError, check_block, guarded_refit, refit_pairs
+from shift_lightning.maps.keptfit_knobs import RefitKnobs
 from shift_lightning.models import num_params
 from shift_lightning.outputs import prepare_file
 from shift_lightning.selection import select_blocks
@@ -132,10 +133,10 @@ class ReproduceConfig:
     """Guards (and the re-fit's check): every k-th calibration window is held out to judge."""
     refit_kept: int | Literal["all"] = 0
     """After every map, re-fit the first k kept blocks after each span (``all``: every one) as
-    ``--calibration.refit_kept`` does — each kept only if closer on the held-out calibration windows — before the
+    ``--calibration.refit.kept`` does — each kept only if closer on the held-out calibration windows — before the
     row is scored (0: off; Llama layout only). Changes every corrected row: give the grid its own ``--out``."""
     refit_damping: float = 0.1
-    """The re-fit's relative damping towards each layer's own weights (``--calibration.refit_damping``)."""
+    """The re-fit's relative damping towards each layer's own weights (``--calibration.refit.damping``)."""
     refit_of: str | None = None
     """The same grid without the re-fit (e.g. ``results/paper_mixed``): where the re-fit kept no block the maps are
     that grid's, so its row's zero-shot outcomes are taken once this run's perplexity and KL match it (as a
@@ -191,8 +192,11 @@ def check_config(cfg: ReproduceConfig) -> None:
     bad = [c for c in cfg.criteria if c not in CRITERIA_ORDER]
     if bad:
         raise ConfigError(f"Unknown criteria {bad}; choose from {', '.join(CRITERIA_ORDER)}")
-    CalibrationConfig(damping=cfg.damping, heldout_every=cfg.heldout_every, refit_kept=cfg.refit_kept,
-                      refit_damping=cfg.refit_damping).validate()
+    try:  # the main job's checks; the re-fit's told with this grid's flags (--refit_kept, not --calibration.refit.kept)
+        CalibrationConfig(damping=cfg.damping, heldout_every=cfg.heldout_every,
+                          refit=RefitKnobs(kept=cfg.refit_kept, damping=cfg.refit_damping)).validate()
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("--calibration.refit.", "--refit_")) from None
     if not (isinstance(cfg.ratio, (int, float)) and 0 < cfg.ratio < 1):
         raise ConfigError(f"--ratio must be a fraction in (0, 1), got {cfg.ratio}")
     for name, least in (("calib_samples", 1), ("seq_len", 2), ("select_samples", 1), ("select_seq_len", 2),
@@ -426,11 +430,11 @@ def check_refit_layout(cfg: ReproduceConfig, model) -> None:
     try:
         check_block(decoder_layers(model)[0], f"--refit_kept: {cfg.model}'s blocks")
     except KeptFitError as e:
-        raise ConfigError(str(e).replace("drop --calibration.refit_kept", "drop --refit_kept")) from e
+        raise ConfigError(str(e).replace("drop --calibration.refit.kept", "drop --refit_kept")) from e
 
 
 def refit_kept_blocks(cfg: ReproduceConfig, original, model, layers: list[int], calib) -> dict:
-    """Re-fit the kept blocks of the pruned, corrected ``model`` in place as ``--calibration.refit_kept`` does (the
+    """Re-fit the kept blocks of the pruned, corrected ``model`` in place as ``--calibration.refit.kept`` does (the
     first ``cfg.refit_kept`` after each span of ``layers``, guarded, on the grid's calibration windows ``calib``,
     judged against ``original``); returns what it tried and kept (a run file's ``refit``)."""
     pairs = refit_pairs(layers, len(decoder_layers(original)), cfg.refit_kept)
@@ -444,7 +448,7 @@ def refit_kept_blocks(cfg: ReproduceConfig, original, model, layers: list[int], 
 
 @contextmanager
 def _refitted(cfg: ReproduceConfig, ctx: harness.GridContext, model, layers: list[int], calib):
-    """The corrected ``model`` with its kept blocks re-fitted as ``--calibration.refit_kept`` does (guarded, on the
+    """The corrected ``model`` with its kept blocks re-fitted as ``--calibration.refit.kept`` does (guarded, on the
     grid's calibration windows) for the length of the ``with``; yields what the re-fit tried and kept, and puts
     every re-fitted weight back afterwards, exactly."""
     pairs = refit_pairs(layers, ctx.num_layers, cfg.refit_kept)

@@ -1,9 +1,10 @@
 """The grids' row variants: a solver and its knobs, under the name a grid's rows and result files carry.
 
-A variant is ``{CalibrationConfig field: value}`` (``solver`` defaults to the variant's name), what
-:class:`~shift_lightning.calibration.CalibrationModule` fits side by side from one pass (variants of one ``mode``
-share it). The names ``lra_span`` … ``guarded_joint`` were solvers of their own before they became knob
-combinations; their maps under this spelling are the old ones exactly (``experiments/tests/test_variants.py``).
+A variant is ``{CalibrationConfig field: value}`` (a knob group's as a mapping of its knobs; ``solver`` defaults to
+the variant's name), what :class:`~shift_lightning.calibration.CalibrationModule` fits side by side from one pass
+(variants of one ``mode`` share it). The names ``lra_span`` … ``guarded_joint`` were solvers of their own before
+they became knob combinations; their maps under this spelling are the old ones exactly
+(``experiments/tests/test_variants.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ VARIANTS: dict[str, dict] = {
     "lra_auto": {"solver": "lra", "mode": "auto"},
     "lra_replaceme_anchored": {"solver": "lra_replaceme", "mode": "anchored"},
     "lra_replaceme_auto": {"solver": "lra_replaceme", "mode": "auto"},
-    "guarded_span": {"solver": "guarded", "guard_extra": ["span_lra"]},
-    "guarded_joint": {"solver": "guarded", "guard_extra": ["span_lra", "lra_replaceme"]},
+    "guarded_span": {"solver": "guarded", "guarded": {"extra": ["span_lra"]}},
+    "guarded_joint": {"solver": "guarded", "guarded": {"extra": ["span_lra", "lra_replaceme"]}},
 }
 
 #: How tables call each variant's model.

@@ -16,6 +16,8 @@ from typing import Any
 
 from torch import nn
 
+from .maps.keptfit_knobs import refit_damping
+
 #: Embedded offline models: name -> (Hub id of the weights, license, description).
 EMBEDDED = {"smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0",
                              "SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantised)"),
@@ -257,7 +259,7 @@ def _what_was_done(spec: dict, model, facts: CardFacts, base) -> tuple[list[tupl
     if (cal.get("refit") or {}).get("kept"):
         rows.append(("kept blocks re-fitted", f"`{cal['refit']['kept']}` (original indices): their linear layers "
                      "re-fitted in closed form to absorb the stream's drift (relative damping "
-                     f"{cal['calibration'].get('refit_damping')}); weights differ from the base model's there"))
+                     f"{refit_damping(cal['calibration'])}); weights differ from the base model's there"))
     if cal.get("data"):
         d = cal["data"]
         rows.append(("calibration data", f"`{d.get('source')}`{_SOURCE_NOTES.get(d.get('source'), '')}: "

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .maps.keptfit_knobs import refit_damping
 
 
 def _check(cls, doc: dict, source) -> dict:
@@ -63,7 +64,7 @@ class CalibrationReport:
     evaluation: dict | None = None
     """original / pruned / corrected: tasks, perplexity, closeness (when asked for)."""
     refit: dict | None = None
-    """``--calibration.refit_kept``: the held-out KL with no re-fit and after each block's (``heldout_kl``), the
+    """``--calibration.refit.kept``: the held-out KL with no re-fit and after each block's (``heldout_kl``), the
     blocks kept (``kept``) and, per kept block, each linear layer's relative weight change (``blocks``)."""
     heldout_closeness: dict | None = None
     """Onloaded runs: perplexity of the original / pruned / repaired model on the held-out windows, KL to the original
@@ -127,7 +128,7 @@ class CalibrationReport:
                              + ", ".join(f"{k} {v:.4f}" for k, v in g["kl"].items()) + " |")
         if self.refit:
             r = self.refit
-            lines += ["", f"Kept blocks re-fitted after the maps (relative damping {c['refit_damping']:g}): held-out KL "
+            lines += ["", f"Kept blocks re-fitted after the maps (relative damping {refit_damping(c):g}): held-out KL "
                       + ", ".join(f"{k if k == 'none' else 'block ' + k} {v:.4f}" for k, v in r["heldout_kl"].items())
                       + f"; kept {r['kept'] or 'none'}"]
             if r["blocks"]:

@@ -29,7 +29,7 @@ REMOVED = [1, 3, 4]  # two spans: the fits differ (a one-block span and a two-bl
 def fitted():
     model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
     win = _windows(tok, n=8)
-    cfg = CalibrationConfig(solver="lra", mode="auto", damping=1e-4, guard_topk=16)
+    cfg = CalibrationConfig(solver="lra", mode="auto", damping=1e-4, heldout_topk=16)
     mod = CalibrationModule(copy.deepcopy(model), REMOVED, cfg)
     mod.calibrate(_trainer(), win, batch_size=4)
     return model, win, cfg, mod
@@ -53,7 +53,7 @@ def test_auto_judges_every_fit_as_the_pruned_model_runs_and_keeps_the_closest(fi
     ids, mask = win.input_ids[held], win.attention_mask[held]
     assert res["held_out_windows"] == int(held.sum()) and res["fit_windows"] == len(fit_w)
     with torch.no_grad():
-        ref = topk_reference(model(input_ids=ids, attention_mask=mask).logits[mask.bool()], cfg.guard_topk)
+        ref = topk_reference(model(input_ids=ids, attention_mask=mask).logits[mask.bool()], cfg.heldout_topk)
     for name, gran, mode in LRA.fits:
         m = _fit(model, fit_w, cfg, gran, mode)
         pruned = copy.deepcopy(model)
@@ -106,7 +106,7 @@ def test_fits_that_coincide_for_the_removed_blocks_are_fitted_and_judged_once(re
         return
     model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
     win = _windows(tok, n=8)
-    cfg = CalibrationConfig(solver="lra", mode="auto", damping=1e-4, guard_topk=16)
+    cfg = CalibrationConfig(solver="lra", mode="auto", damping=1e-4, heldout_topk=16)
     x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
     modes = {f[0]: f[1:] for f in LRA.fits}
     for name, twin in same.items():
@@ -138,7 +138,7 @@ def _fit_joint(model, win, cfg, mode, removed=REMOVED):
 def fitted_joint(request):
     model, tok = build_tiny_model(request.param, num_hidden_layers=6, dtype=torch.float64)
     win = _windows(tok, n=8)
-    cfg = CalibrationConfig(solver="lra_replaceme", mode="auto", damping=1e-4, guard_topk=16)
+    cfg = CalibrationConfig(solver="lra_replaceme", mode="auto", damping=1e-4, heldout_topk=16)
     mod = CalibrationModule(copy.deepcopy(model), REMOVED, cfg)
     mod.calibrate(_trainer(), win, batch_size=4)
     return model, win, cfg, mod
@@ -156,7 +156,7 @@ def test_joint_auto_judges_each_walk_of_the_joint_map_with_both_halves_in_place(
     fit_w = TokenWindows(win.input_ids[~held], win.attention_mask[~held])
     ids, mask = win.input_ids[held], win.attention_mask[held]
     with torch.no_grad():
-        ref = topk_reference(model(input_ids=ids, attention_mask=mask).logits[mask.bool()], cfg.guard_topk)
+        ref = topk_reference(model(input_ids=ids, attention_mask=mask).logits[mask.bool()], cfg.heldout_topk)
     for name, _, mode in LRAReplaceMe.fits:
         m = _fit_joint(model, fit_w, cfg, mode)
         corr = m.fitted_maps("lra_replaceme")
@@ -203,7 +203,7 @@ def test_joint_walks_that_coincide_are_fitted_and_judged_once(removed, same):
     assert coinciding_fits(LRAReplaceMe.fits, span_sites(removed)) == same
     model, tok = build_tiny_model("llama", num_hidden_layers=6, dtype=torch.float64)
     win = _windows(tok, n=8)
-    cfg = CalibrationConfig(solver="lra_replaceme", mode="auto", damping=1e-4, guard_topk=16)
+    cfg = CalibrationConfig(solver="lra_replaceme", mode="auto", damping=1e-4, heldout_topk=16)
     modes = {f[0]: f[2] for f in LRAReplaceMe.fits}
     x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.float64)
     for name, twin in same.items():

@@ -328,8 +328,8 @@ def test_adapter_rank_is_checked_against_the_hidden_size(tiny64, tmp_path, caplo
     with pytest.raises(ConfigError, match=r"mode sequential fits one solver of lra, .*lra_replaceme(, \w+)* \(others fit the "
                                           r"original model\), got replaceme: set --calibration.solver lra_replaceme \(the default\) or lra"):
         CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="replaceme", mode="sequential"))
-    with pytest.raises(ConfigError, match=rf"guard_ranks \[{d + 5}\] exceed"):
-        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="guarded", guard_ranks=[4, d + 5]))
+    with pytest.raises(ConfigError, match=rf"--calibration.guarded.ranks \[{d + 5}\] exceed"):
+        CalibrationModule(copy.deepcopy(model), [2], CalibrationConfig(solver="guarded", guarded={"ranks": [4, d + 5]}))
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match="exceeds the model's hidden size"):  # early: no pass, no folder
         run_calibration(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
@@ -401,7 +401,8 @@ def test_ddp_guard_and_cosine_and_linear_fit_match_one_process(tmp_path):
     reports = {}
     for solver, criterion in (("guarded", "linear_fit"), ("replaceme_cosine", "linear_fit_kl")):
         extra = ["--calibration.solver", solver, "--prune.layers", "null", "--prune.criterion", criterion,
-                 "--prune.ratio", "0.34", "--calibration.cosine_epochs", "2", "--calibration.guard_extra", "[span_lra]"]
+                 "--prune.ratio", "0.34", "--calibration.replaceme_cosine.epochs", "2",
+                 "--calibration.guarded.extra", "[span_lra]"]
         _cli("--output_dir", str(tmp_path / f"{solver}1"), *extra)
         _cli("--output_dir", str(tmp_path / f"{solver}2"), *extra, world=2)
         r1, r2 = (json.loads((tmp_path / f"{solver}{n}" / "calibration_report.json").read_text()) for n in (1, 2))
@@ -426,9 +427,9 @@ def test_ddp_guard_and_cosine_and_linear_fit_match_one_process(tmp_path):
 
 
 def test_cli_print_config_and_refuses_existing_output(tmp_path):
-    r = _cli("--output_dir", str(tmp_path / "x"), "--print_config", "--calibration.refit_kept", "2")
+    r = _cli("--output_dir", str(tmp_path / "x"), "--print_config", "--calibration.refit.kept", "2")
     assert "calibration:" in r.stdout and "damping:" in r.stdout and "trainer:" in r.stdout
-    assert "  refit_kept: 2\n" in r.stdout  # a number stays a number beside the keyword ``all``
+    assert "  refit:\n    kept: 2\n" in r.stdout  # a number stays a number beside the keyword ``all``
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("precious")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -462,10 +463,10 @@ def test_pipeline_evaluates_original_pruned_and_corrected(tmp_path):
 
 @pytest.mark.extended
 def test_ddp_kept_block_refit_matches_one_process(tmp_path):
-    """``--calibration.refit_kept``: the windows are shared out over the ranks (each fitted once: the token count
+    """``--calibration.refit.kept``: the windows are shared out over the ranks (each fitted once: the token count
     is one process's) and the statistics and scores summed, so 2 processes give what 1 gives — the held-out
     check's scores and choice, and the saved weights of every block."""
-    extra = ["--calibration.refit_kept", "all", "--prune.layers", "[1, 3]"]  # every kept block after a span
+    extra = ["--calibration.refit.kept", "all", "--prune.layers", "[1, 3]"]  # every kept block after a span
     _cli("--output_dir", str(tmp_path / "one"), *extra)
     _cli("--output_dir", str(tmp_path / "two"), *extra, world=2)
     full = [json.loads((tmp_path / n / "calibration_report.json").read_text()) for n in ("one", "two")]

@@ -49,7 +49,7 @@ def test_calibrate_errors_are_one_line(tmp_path, capsys):
     cases = [
         (["--config", "nope.yaml", *out], "Config file 'nope.yaml' not found"),  # bad config
         ([*tiny, "--calibration.damping", "0"], "--calibration.damping must be a finite number > 0"),
-        ([*tiny, "--calibration.guard_ranks", "[0]"], "--calibration.guard_ranks must be whole ranks >= 1"),
+        ([*tiny, "--calibration.guarded.ranks", "[0]"], "--calibration.guarded.ranks must be whole ranks >= 1"),
         ([*tiny, "--data.source", "/no/such/corpus.txt"], "Calibration data not found: /no/such/corpus.txt"),
         ([*tiny, "--data.source", str(binary)], f"{binary} is not UTF-8 text"),
         ([*tiny, "--data.num_samples", "100000"], "windows of 64 tokens fit in the text (asked for 100000)"),
@@ -250,7 +250,7 @@ def test_the_judges_work_after_their_pass_shows_progress(solver, mode, stage):
     windows = build_windows(TextDataConfig(source=CORPUS, num_samples=8, seq_len=48), tok)
     log = io.StringIO()
     trainer = _logging_trainer(log)
-    mod = CalibrationModule(model, [1, 3, 4], CalibrationConfig(solver=solver, mode=mode, guard_topk=16))
+    mod = CalibrationModule(model, [1, 3, 4], CalibrationConfig(solver=solver, mode=mode, heldout_topk=16))
     mod.calibrate(trainer, windows, batch_size=2)
     lines = [x for x in log.getvalue().splitlines() if f"] {stage}: " in x]
     n = len(mod.fit_choice["kl"]) if mode == "auto" else sum(len(r["guard"]["kl"]) for r in mod.span_reports())
@@ -370,3 +370,113 @@ def test_a_retired_solver_name_says_how_it_is_spelt_now(name, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err, err
     assert err.splitlines()[0] == f"error: --calibration.solver {name} is now spelt with knobs: {RETIRED_SOLVERS[name]}"
+
+
+def test_a_solvers_knobs_are_a_group_of_their_own_that_reaches_it(tmp_path):
+    """``--calibration.guarded.*``, ``--calibration.replaceme_cosine.*`` and ``--calibration.refit.*`` are headed
+    groups in ``--help``; set on the command line (a group given in part keeps its other defaults), they reach the
+    guard's candidates, the cosine fit and the kept-block re-fit."""
+    from shift_lightning.maps.keptfit_knobs import RefitKnobs
+    from shift_lightning.maps.solvers import get_solver
+    from shift_lightning.maps.solvers.guard import GuardKnobs
+    from shift_lightning.maps.solvers.replaceme import CosineKnobs
+
+    parser = cli.calibrate_parser()
+    help_text = parser.format_help()
+    for heading in ("``--calibration.solver guarded``:", "``--calibration.solver replaceme_cosine``:",
+                    "The kept-block re-fit after the maps"):
+        assert heading in help_text
+    argv = ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"), "--calibration.solver", "guarded",
+            "--calibration.guarded.extra", "[span_lra]", "--calibration.guarded.ranks", "[8]",
+            "--calibration.replaceme_cosine.epochs", "3", "--calibration.refit.kept", "all",
+            "--calibration.heldout_topk", "16"]
+    cal = parser.instantiate_classes(cli.parse_args(parser, argv)).calibration
+    assert cal.guarded == GuardKnobs(extra=["span_lra"], ranks=[8])
+    assert cal.replaceme_cosine == CosineKnobs(epochs=3) and cal.refit == RefitKnobs(kept="all")
+    assert cal.heldout_topk == 16
+    cal.validate()
+    names = [c.name for c in get_solver("guarded", cal).candidates(32)]
+    assert names == ["none", "lra@0.0001", "lra@0.01", "lra@1", "lra@100", "lra@r8", "nobias", "replaceme", "lra@span"]
+
+
+def test_the_kept_block_refit_runs_from_its_nested_flag(tmp_path):
+    """``--calibration.refit.kept 1`` on the command line re-fits the first kept block after the span."""
+    res = cli.calibrate_main(["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"), "--calibration.refit.kept",
+                              "1", "--save_model", "false", "--trainer.enable_progress_bar", "false"])
+    assert list(res.report.refit["heldout_kl"]) == ["none", "4"]
+    assert res.report.calibration["refit"] == {"kept": 1, "damping": 0.1}
+
+
+@pytest.mark.parametrize("old", ["refit_kept", "guard_extra", "guard_topk", "cosine_lr", "seed"])
+def test_a_renamed_knob_on_the_command_line_says_its_new_spelling(old, capsys):
+    from shift_lightning.calibration.config import RENAMED_KNOBS
+
+    with pytest.raises(SystemExit) as e:
+        cli.calibrate_main(["--config", "tiny.yaml", "--output_dir", "/tmp/unused", f"--calibration.{old}", "2"])
+    err = capsys.readouterr().err
+    told = f"error: --calibration.{old} is now --calibration.{RENAMED_KNOBS[old]}"
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert err.splitlines()[0] == told
+    with pytest.raises(SystemExit):  # the ``--flag=value`` form too, and train.py alike
+        cli.train_main(["--config", "tiny.yaml", "--output_dir", "/tmp/unused", f"--calibration.{old}=2"])
+    assert capsys.readouterr().err.splitlines()[0] == told
+
+
+def test_a_renamed_knob_in_a_config_file_says_its_new_spelling(tmp_path, capsys):
+    cfg = tmp_path / "old.yaml"
+    cfg.write_text("calibration:\n  solver: stock\n  refit_kept: 2\n")
+    with pytest.raises(SystemExit) as e:
+        cli.calibrate_main(["--config", "tiny.yaml", "--config", str(cfg), "--output_dir", "/tmp/unused"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert err.splitlines()[0] == (f"error: Config file {cfg}: calibration.refit_kept is now calibration.refit.kept "
+                                   "(in YAML 'calibration: {refit: {kept: ...}}'; on the command line "
+                                   "--calibration.refit.kept)")
+
+
+@pytest.mark.parametrize("group,bad,match", [
+    ("guarded", {"extra": ["span"]}, r"--calibration.guarded.extra \['span'\]: choose from \['span_lra', 'lra_"),
+    ("guarded", {"path": []}, r"--calibration.guarded.path must be finite relative dampings > 0, got \[\]"),
+    ("guarded", {"path": [1e-2, float("inf")]}, "--calibration.guarded.path must be finite relative dampings > 0"),
+    ("guarded", {"ranks": [4, True]}, "--calibration.guarded.ranks must be whole ranks >= 1"),
+    ("replaceme_cosine", {"epochs": 0}, "--calibration.replaceme_cosine.epochs must be >= 1, got 0"),
+    ("replaceme_cosine", {"batch_tokens": 0}, "--calibration.replaceme_cosine.batch_tokens must be >= 1"),
+    ("replaceme_cosine", {"max_tokens": -1}, "--calibration.replaceme_cosine.max_tokens must be >= 1"),
+    ("replaceme_cosine", {"lr": float("nan")}, "--calibration.replaceme_cosine.lr must be a finite number > 0"),
+    ("refit", {"kept": -1}, "--calibration.refit.kept must be a whole number of blocks >= 0"),
+    ("refit", {"damping": 0}, "--calibration.refit.damping must be a finite number > 0"),
+])
+def test_each_knob_group_validates_its_own_knobs(group, bad, match):
+    """Each group's ``validate`` refuses its bad values (named by their flag), alone and through the config's."""
+    from shift_lightning.calibration.config import GROUPS, CalibrationConfig
+    from shift_lightning.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        GROUPS[group](**bad).validate()
+    with pytest.raises(ConfigError, match=match):
+        CalibrationConfig(**{group: bad}).validate()
+    with pytest.raises(ConfigError, match="--calibration.heldout_topk must be >= 1"):
+        CalibrationConfig(heldout_topk=0).validate()
+
+
+def test_guard_ranks_above_the_hidden_size_are_refused_by_the_guards_knobs():
+    from shift_lightning.calibration.config import CalibrationConfig
+    from shift_lightning.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--calibration.guarded.ranks \[40\] exceed the model's hidden size d = 32"):
+        CalibrationConfig(guarded={"ranks": [8, 40]}).check_dim(32)
+    CalibrationConfig(guarded={"ranks": [8, 32]}).check_dim(32)
+
+
+def test_a_variants_group_knobs_keep_the_configs_others():
+    """``CalibrationModule(solvers={key: knobs})``: a group given as a mapping sets only the knobs it names; an old flat
+    name is refused with the new one."""
+    from shift_lightning.calibration.config import CalibrationConfig
+    from shift_lightning.errors import ConfigError
+
+    base = CalibrationConfig(guarded={"path": [1.0]})
+    got = base.with_knobs({"solver": "guarded", "guarded": {"extra": ["span_lra"]}})
+    assert got.solver == "guarded" and got.guarded.path == [1.0] and got.guarded.extra == ["span_lra"]
+    assert base.guarded.extra == []
+    with pytest.raises(ConfigError, match="'guard_extra' is now 'guarded.extra'"):
+        base.with_knobs({"guard_extra": ["span_lra"]})

@@ -1,4 +1,4 @@
-"""The kept-block re-fit (``--calibration.refit_kept``, :mod:`shift_lightning.maps.keptfit`): its targets are the
+"""The kept-block re-fit (``--calibration.refit.kept``, :mod:`shift_lightning.maps.keptfit`): its targets are the
 original's, it brings the re-fitted block's output closer to the original's, and the main job saves and reloads
 what it fitted."""
 
@@ -91,7 +91,7 @@ def test_refit_refuses_a_block_it_cannot_walk():
     win = _windows(tok, n=4)
     pruned = _corrected(model, [2, 3], win)
     pruned.model.layers[2].self_attn.o_proj = nn.Identity()  # not a separate linear layer any more
-    with pytest.raises(KeptFitError, match=r"block 4: .*self_attn\.o_proj.*--calibration.refit_kept"):
+    with pytest.raises(KeptFitError, match=r"block 4: .*self_attn\.o_proj.*--calibration.refit.kept"):
         refit_kept(pruned, model, win, [(2, 4)], 0.1)
 
 
@@ -99,22 +99,22 @@ def test_gemma3_blocks_are_refused_by_default_and_early_in_the_main_job(tmp_path
     """Gemma3 adds its branches through norms: measured to move the model away, refused — by the library before
     any walk, and by the main job before any pass (no output written)."""
     model, tok = build_tiny_model("gemma3", num_hidden_layers=6, dtype=torch.float64)
-    with pytest.raises(KeptFitError, match="through norms.*drop --calibration.refit_kept"):
+    with pytest.raises(KeptFitError, match="through norms.*drop --calibration.refit.kept"):
         refit_kept(copy.deepcopy(model), model, _windows(tok, n=4), [(2, 4)], 0.1)
     with pytest.raises(KeptFitError, match="gemma3_text blocks: .*through norms"):
         run_calibration(model=ModelConfig(tiny={"family": "gemma3"}), data=TextDataConfig(source=CORPUS),
-                        calibration=CalibrationConfig(refit_kept=1), output_dir=str(tmp_path / "o"))
+                        calibration=CalibrationConfig(refit={"kept": 1}), output_dir=str(tmp_path / "o"))
     assert not (tmp_path / "o" / "calibration_report.json").exists()
 
 
-@pytest.mark.parametrize("bad,match", [({"refit_kept": -1}, "refit_kept must be a whole number"),
-                                       ({"refit_kept": True}, "refit_kept must be a whole number"),
-                                       ({"refit_kept": "every"}, "refit_kept must be .* or 'all', got 'every'"),
-                                       ({"refit_damping": 0.0}, "refit_damping must be a finite number > 0")])
+@pytest.mark.parametrize("bad,match", [({"kept": -1}, "--calibration.refit.kept must be a whole number"),
+                                       ({"kept": True}, "--calibration.refit.kept must be a whole number"),
+                                       ({"kept": "every"}, "refit.kept must be .* or 'all', got 'every'"),
+                                       ({"damping": 0.0}, "--calibration.refit.damping must be a finite number > 0")])
 def test_bad_refit_settings_fail_early(bad, match):
     with pytest.raises(ConfigError, match=match):
         run_calibration(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS),
-                        calibration=CalibrationConfig(**bad), output_dir=None)
+                        calibration=CalibrationConfig(refit=bad), output_dir=None)
 
 
 def test_adapter_only_folder_stores_the_refitted_blocks(tmp_path, monkeypatch):
@@ -132,7 +132,7 @@ def test_adapter_only_folder_stores_the_refitted_blocks(tmp_path, monkeypatch):
     res = run_calibration(model=ModelConfig(tiny={"family": "llama"}),
                           data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
                           heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[1, 3]),
-                          calibration=CalibrationConfig(refit_kept=1), output_dir=str(out), save_model="adapters",
+                          calibration=CalibrationConfig(refit={"kept": 1}), output_dir=str(out), save_model="adapters",
                           trainer={"accelerator": "cpu", "enable_progress_bar": False})
     spec = json.loads((out / "shift_config.json").read_text())
     assert spec["weights"] == "adapters" and spec["refit_blocks"] == [1, 2] and res.report.refit["kept"] == [2, 4]
@@ -159,7 +159,7 @@ def test_adapter_only_folder_stores_the_refitted_blocks(tmp_path, monkeypatch):
 
 
 def test_main_job_with_refit_saves_what_it_fitted(tmp_path):
-    """``calibrate.py --calibration.refit_kept 1``: the report lists the held-out check and what it kept; a kept
+    """``calibrate.py --calibration.refit.kept 1``: the report lists the held-out check and what it kept; a kept
     block differs from the same run without the re-fit, every other block does not; the saved folder reloads to the
     same logits, the card names the re-fitted blocks, and the evaluation label says whether one was kept."""
     from shift_lightning.evaluation.runner import EvalConfig
@@ -170,10 +170,10 @@ def test_main_job_with_refit_saves_what_it_fitted(tmp_path):
               evaluate=EvalConfig(tasks="", ppl=HELDOUT, ppl_seq_len=48, ppl_max_windows=2, progress=False))
     plain = run_calibration(**kw, output_dir=None)
     out = tmp_path / "run"
-    res = run_calibration(**kw, calibration=CalibrationConfig(refit_kept=1), output_dir=str(out))
+    res = run_calibration(**kw, calibration=CalibrationConfig(refit={"kept": 1}), output_dir=str(out))
     rep = json.loads((out / "calibration_report.json").read_text())
     r = rep["refit"]
-    assert list(r["heldout_kl"]) == ["none", "4"] and rep["calibration"]["refit_kept"] == 1
+    assert list(r["heldout_kl"]) == ["none", "4"] and rep["calibration"]["refit"]["kept"] == 1
     kept = r["kept"] == [4]
     assert kept == (r["heldout_kl"]["4"] < r["heldout_kl"]["none"]) and (r["kept"] == [] or kept)
     a, b = plain.model.model.layers, res.model.model.layers
@@ -215,7 +215,7 @@ def test_guard_keeps_a_refit_only_if_it_is_closer_on_held_out_windows(monkeypatc
 
 
 def test_train_job_recovers_from_a_refitted_calibration(tmp_path, monkeypatch):
-    """``train.py --calibration.refit_kept 1``: the calibration stage's adapter-only folder carries the re-fitted
+    """``train.py --calibration.refit.kept 1``: the calibration stage's adapter-only folder carries the re-fitted
     block (reloading it gives what a calibration alone gives), LoRA recovery trains on top, and the exported
     model records the re-fitted positions."""
     import lightning as L
@@ -227,7 +227,7 @@ def test_train_job_recovers_from_a_refitted_calibration(tmp_path, monkeypatch):
     monkeypatch.setattr(K, "heldout_kl", lambda *a, **k: next(scores))  # the re-fit kept (scripted judge)
     kw = dict(model=ModelConfig(tiny={"family": "llama"}), data=TextDataConfig(source=CORPUS, num_samples=8, seq_len=48),
               heldout=TextDataConfig(num_samples=0), prune=PruneConfig(layers=[2, 3]),
-              calibration=CalibrationConfig(refit_kept=1))
+              calibration=CalibrationConfig(refit={"kept": 1}))
     scores = iter([1.0, 0.5])
     alone = run_calibration(**kw, output_dir=None, trainer={"accelerator": "cpu", "enable_progress_bar": False})
     assert alone.report.refit["kept"] == [4]

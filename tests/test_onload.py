@@ -76,7 +76,7 @@ def test_onloaded_maps_equal_in_memory_bit_for_bit(folders, family):
     for solver, mode, gran in CASES:
         if family == "gemma3" and solver == "stock":
             continue  # Llama layout only
-        cfg = CalibrationConfig(solver=solver, mode=mode, granularity=gran, cosine_epochs=1)
+        cfg = CalibrationConfig(solver=solver, mode=mode, granularity=gran, replaceme_cosine={"epochs": 1})
         onl, _ = load_model(ModelConfig(name_or_path=str(folders[family]), placement="onload"))
         assert isinstance(placement_of(onl), Onloaded) and all(p.is_meta for p in onl.parameters())
         a = CalibrationModule(copy.deepcopy(mem), [1, 2, 4], cfg)
@@ -217,7 +217,7 @@ def _assert_same_folder(a: Path, b: Path) -> None:
 
 @pytest.mark.parametrize("solver,scripted", [("lra_replaceme", False), ("lra_replaceme", True), ("stock", True)])
 def test_onloaded_kept_block_refit_equals_in_memory(folders, tmp_path, monkeypatch, solver, scripted):
-    """``--calibration.refit_kept`` onloaded: the original is a second skeleton over the same files (no copy), the
+    """``--calibration.refit.kept`` onloaded: the original is a second skeleton over the same files (no copy), the
     fitting and held-out windows walk both models block by block, a re-fitted block's weights are put in place each
     time it is read, and the streamed save writes them. The held-out judgements, what is kept, and the folder equal
     the in-memory run's, bit for bit. Scripted: every re-fit kept (block 2 carries a folded map and a re-fit)."""
@@ -233,8 +233,8 @@ def test_onloaded_kept_block_refit_equals_in_memory(folders, tmp_path, monkeypat
             return 1.0 / n
 
         monkeypatch.setattr(K, "heldout_kl", judge)
-    mem = _run(folders["llama"], "memory", tmp_path / "mem", solver, layers=(1, 3), refit_kept=1)
-    onl = _run(folders["llama"], "onload", tmp_path / "onl", solver, layers=(1, 3), refit_kept=1)
+    mem = _run(folders["llama"], "memory", tmp_path / "mem", solver, layers=(1, 3), refit={"kept": 1})
+    onl = _run(folders["llama"], "onload", tmp_path / "onl", solver, layers=(1, 3), refit={"kept": 1})
     assert mem.report.refit == onl.report.refit and len(mem.report.refit["heldout_kl"]) == 3
     if scripted:
         assert onl.report.refit["kept"] == [2, 4]
@@ -264,7 +264,7 @@ def test_an_onloaded_stock_folder_exports_to_gguf(folders, tmp_path, fake_llama_
     export takes (the converter is tests/test_gguf.py's stand-in; llama.cpp's own: -m slow)."""
     from shift_lightning.export.gguf import check_layer_metadata, export_gguf
 
-    _run(folders["llama"], "onload", tmp_path / "onl", "stock", layers=(1, 3), refit_kept=1)
+    _run(folders["llama"], "onload", tmp_path / "onl", "stock", layers=(1, 3), refit={"kept": 1})
     config = json.loads((tmp_path / "onl" / "config.json").read_text())
     assert config["model_type"] == "llama" and "auto_map" not in config and config["num_hidden_layers"] == 4
     out = export_gguf(tmp_path / "onl", tmp_path / "onl.f16.gguf", "f16", llama_cpp=fake_llama_cpp)

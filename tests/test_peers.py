@@ -87,7 +87,7 @@ def tiny():
 
 #: Variants of one pass (a key and the knobs that differ): one LRA per span; the guard with both extra candidates.
 SPAN_LRA = {"solver": "lra", "granularity": "span"}
-JOINT_GUARD = {"solver": "guarded", "guard_extra": ["span_lra", "lra_replaceme"]}
+JOINT_GUARD = {"solver": "guarded", "guarded": {"extra": ["span_lra", "lra_replaceme"]}}
 
 
 def _fit(model, removed, kinds, windows, damping=1e-10):
@@ -423,7 +423,7 @@ def test_guard_chooses_by_heldout_closeness_and_refits_on_all_windows(tiny):
     shared = BlockTap(blocks[3], mlp_branch(blocks[3]))
     blocks[4] = Linear(eye, branch=shared, B=(T0 - eye).T)
     win = _windows(tok, n=12)
-    mod = CalibrationModule(model, [1, 4], CalibrationConfig(damping=1e-8, guard_path=[1e-8, 1e-2, 1.0]),
+    mod = CalibrationModule(model, [1, 4], CalibrationConfig(damping=1e-8, guarded={"path": [1e-8, 1e-2, 1.0]}),
                             solvers=["guarded", "lra", "replaceme"])
     mod.calibrate(_trainer(), win, batch_size=3)
     first, second = mod.spans
@@ -441,8 +441,8 @@ def test_guard_chooses_by_heldout_closeness_and_refits_on_all_windows(tiny):
 
 
 def test_guard_rank_path_picks_the_low_rank_fit_and_stores_it_low_rank(tiny):
-    """A block whose update is exactly rank 2: with the full-rank LRA shrunk hard (``guard_path``),
-    the rank-2 candidate of ``guard_ranks`` is the one that keeps the model at the original; it is
+    """A block whose update is exactly rank 2: with the full-rank LRA shrunk hard (``guarded.path``),
+    the rank-2 candidate of ``guarded.ranks`` is the one that keeps the model at the original; it is
     refitted on every window into the same low-rank adapter (2dr + d parameters) the plain rank-2
     LRA gives. Ranks at or above d are the full-rank fit and are not tried twice."""
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
@@ -452,7 +452,7 @@ def test_guard_rank_path_picks_the_low_rank_fit_and_stores_it_low_rank(tiny):
     c = 0.5 * torch.randn(d, dtype=torch.float64, generator=g)
     decoder_layers(model)[2] = Linear(torch.eye(d, dtype=torch.float64) + 0.3 * U @ V.T / d ** 0.5, c)
     win = _windows(tok, n=12)
-    cfg = CalibrationConfig(damping=1e-8, guard_path=[10.0], guard_ranks=[2, d])
+    cfg = CalibrationConfig(damping=1e-8, guarded={"path": [10.0], "ranks": [2, d]})
     mod = CalibrationModule(model, [2], cfg, solvers=["guarded"])
     mod.calibrate(_trainer(), win, batch_size=3)
     rep = mod.reports[mod.spans[0].key]["guards"]["guarded"]
@@ -498,9 +498,9 @@ def test_guard_span_candidate_fits_the_whole_span_at_once(tiny):
     blocks[2], blocks[3] = SideChannel(+1.0), SideChannel(-1.0, M)
     blocks[5] = Linear(torch.eye(d, dtype=torch.float64) + _rand(d, 5))
     win = _windows(tok, n=12)
-    cfg = CalibrationConfig(damping=1e-8, guard_path=[1e-8])
-    mod = CalibrationModule(model, [2, 3, 5], cfg, solvers={"guarded_span": {"solver": "guarded", "guard_extra": ["span_lra"]},
-                                                            "guarded": {}, "lra": {}})
+    cfg = CalibrationConfig(damping=1e-8, guarded={"path": [1e-8]})
+    span = {"solver": "guarded", "guarded": {"extra": ["span_lra"]}}
+    mod = CalibrationModule(model, [2, 3, 5], cfg, solvers={"guarded_span": span, "guarded": {}, "lra": {}})
     mod.calibrate(_trainer(), win, batch_size=3)
     assert mod.guards == ["guarded_span", "guarded"]
     (pair, single), (plain_pair, _) = ([mod.reports[s.key]["guards"][g] for s in mod.spans] for g in mod.guards)
@@ -544,7 +544,7 @@ def test_replaceme_cosine_follows_the_reference_recipe(tiny):
     and the fit is deterministic (seeded order)."""
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
     win = _windows(tok, n=12)
-    cfg = CalibrationConfig(cosine_epochs=30, cosine_lr=1e-2, cosine_batch_tokens=64)
+    cfg = CalibrationConfig(replaceme_cosine={"epochs": 30, "lr": 1e-2, "batch_tokens": 64})
     runs = [_fit_cfg(model, [3, 4], ["replaceme_cosine", "replaceme"], win, cfg) for _ in range(2)]
     span = runs[0].spans[0]
     cos_sol, ls_sol = runs[0].solution(span, "replaceme_cosine"), runs[0].solution(span, "replaceme")

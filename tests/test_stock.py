@@ -202,7 +202,7 @@ def test_stock_adapter_only_folder_folds_the_maps_again_bit_for_bit(removed, tmp
 
 
 def test_stock_with_the_kept_block_refit_stays_a_plain_folder(tmp_path, monkeypatch):
-    """``--calibration.solver stock --calibration.refit_kept 1`` (the best stock repair): the re-fit changes only
+    """``--calibration.solver stock --calibration.refit.kept 1`` (the best stock repair): the re-fit changes only
     the kept block's own weights, so the folder is still a plain Llama folder — no ``auto_map``, no custom code,
     ``refit_blocks`` recorded — and ``AutoModelForCausalLM`` gives ``load_pretrained``'s logits, bit for bit,
     which are the in-memory model's. The re-fitted block differs from the same job without the re-fit."""
@@ -217,7 +217,7 @@ def test_stock_with_the_kept_block_refit_stays_a_plain_folder(tmp_path, monkeypa
     scores = iter([1.0, 0.5])  # the guard keeps the re-fit of block 4
     monkeypatch.setattr(K, "heldout_kl", lambda *a, **k: next(scores))
     out = tmp_path / "run"
-    res = run_calibration(**kw, calibration=CalibrationConfig(solver="stock", refit_kept=1), output_dir=str(out))
+    res = run_calibration(**kw, calibration=CalibrationConfig(solver="stock", refit={"kept": 1}), output_dir=str(out))
     assert res.report.refit["kept"] == [4]
     a, b = plain.model.model.layers, res.model.model.layers
     for i in range(len(a)):  # pruned position 2 = original block 4, the first kept after the span

@@ -10,7 +10,7 @@ that re-anchoring the stream with more LRAs stops helping after two blocks. This
 blocks* can absorb: after the default correction (the joint map, ``lra_replaceme``), the first ``k`` kept blocks
 after each removed span are re-fitted layer group by layer group, each layer by one ridge regression towards its
 own weights whose target is the original's output plus the stream's drift (:mod:`shift_lightning.maps.keptfit`, what
-``--calibration.refit_kept k --calibration.refit_damping δ`` runs). Gemma3's blocks add their branches through
+``--calibration.refit.kept k --calibration.refit.damping δ`` runs). Gemma3's blocks add their branches through
 norms; the check fits them with the target's direction (``post_norm="direction"``), which the library refuses
 by default because of what this check measured.
 
@@ -71,7 +71,7 @@ def main(argv=None):
     ap.add_argument("--dampings", default="1e-3,1e-2,1e-1")
     ap.add_argument("--map_damping", type=float, default=1e-4, help="the joint map's (the grid's)")
     ap.add_argument("--guarded", action="store_true", help="the main job's do-no-harm check: each block's re-fit "
-                    "kept only if closer on a held-out quarter of the fit windows (--calibration.refit_kept)")
+                    "kept only if closer on a held-out quarter of the fit windows (--calibration.refit.kept)")
     ap.add_argument("--evaluate", action="store_true", help="score the held-out choice as the grid scores a row")
     ap.add_argument("--out", default=None)
     ap.add_argument("--render_only", action="store_true", help="rewrite the markdown from the JSON")

@@ -5,7 +5,7 @@
 
 The stock options (:mod:`shift_lightning.maps.solvers.stock`): ReplaceMe's ``m ↦ m T`` folded into the
 ``down_proj`` before each span; the stock solver's ridge re-fit of that ``down_proj`` on its ``d_ff``-wide input
-(no intercept); each followed by the kept-block re-fit of the first ``k`` kept blocks (``--calibration.refit_kept
+(no intercept); each followed by the kept-block re-fit of the first ``k`` kept blocks (``--calibration.refit.kept
 k``, damping 0.1, unguarded here: the check itself is the guard). Beside them, for the price of stock: the paper's
 per-block ``lra`` and the default ``lra_replaceme``. Rows ``stock_bias`` were measured with the first version of
 the solver (commit 7bd0c1e), whose fit had an intercept held in Llama's ``mlp_bias``: it lost (see the table), was

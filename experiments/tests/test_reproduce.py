@@ -268,7 +268,8 @@ def test_fidelity_sweep_reuses_the_grid_and_plots_kl_against_blocks_removed(tmp_
     assert one["blocks_removed"] == 1 and set(one["kl"]) == {grid.ppl_sets[0], "tasks"}
     assert (tmp_path / "sweep" / "tiny.png").exists() and "| linear_fit | 0.25 | 2 |" in (tmp_path / "sweep" / "tiny.md").read_text()
     # the guard's choice per span, from the sweep's runs and from the grid's reused run alike
-    allowed = {"none", "nobias", "replaceme"} | {f"lra@{x:g}" for x in CalibrationConfig(damping=grid.damping).ridge_path()}
+    path = CalibrationConfig().guarded.ridge_path(grid.damping)
+    allowed = {"none", "nobias", "replaceme"} | {f"lra@{x:g}" for x in path}
     for p in doc["points"]:
         assert (p["repair"] != "pruned") == bool(p["maps"]) and set(p["maps"]) <= allowed | {"lra"}
         if p["repair"] == "guarded":

@@ -10,7 +10,7 @@ removed (random 1.185 against 1.066, magnitude-L1 1.338 against 1.034), and the 
 ``heldout_every``-th calibration window is held out (the guards' split), each fit of
 :attr:`~shift_lightning.maps.solvers.ridge.LRA.fits` is made on the others, the pruned
 model is run on the held-out windows with each fit's maps in place (:class:`FitJudge`) and the fit
-with the lowest mean next-token ``KL(original ‖ model)`` (the original's top-``guard_topk``; ties go to
+with the lowest mean next-token ``KL(original ‖ model)`` (the original's top-``heldout_topk``; ties go to
 the earlier fit, the paper's per-block LRA first) is refitted on all windows. The choice is per run,
 not per span: a sequential or anchored span's map assumes the maps before it. The held-out windows
 are calibration text, never evaluated data.
@@ -126,7 +126,7 @@ def choose_fit(module, trainer, windows: TokenWindows, heldout: TokenWindows | N
         sub = fitted(gran, mode, fit_w)
         maps[fit_name] = {sp.key: replace(sub.span_map(base, sp), source=fit_name) for sp in module.spans}
         log.info("%s: fitted %s (%s, %s) on %d windows", name, fit_name, gran, mode, len(fit_w))
-    judge = FitJudge(module.model, module.removed, module.spans, maps, cfg.guard_topk, name)
+    judge = FitJudge(module.model, module.removed, module.spans, maps, cfg.heldout_topk, name)
     judge.run(trainer, judge_w, batch_size)
     res = {**judge.results, "held_out_windows": len(judge_w), "fit_windows": len(fit_w)}
     if same:  # every fit keeps its line; ties go to the earlier fit, the one actually judged

@@ -1,15 +1,19 @@
-"""The calibration knobs (``--calibration.*``): one typed dataclass, validated in one place."""
+"""The calibration knobs (``--calibration.*``): one typed dataclass; the knobs that serve one solver or one step are a
+small dataclass of their own, defined and validated beside that solver (``--calibration.guarded.*``,
+``--calibration.replaceme_cosine.*``) or step (``--calibration.refit.*``), nested here."""
 
 from __future__ import annotations
 
 import logging
 import math
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..errors import ConfigError
+from ..maps.keptfit_knobs import RefitKnobs
 from ..maps.solvers import SOLVERS
+from ..maps.solvers.guard import GuardKnobs
+from ..maps.solvers.replaceme import CosineKnobs
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +29,41 @@ RETIRED_SOLVERS = {
     "lra_auto": "--calibration.solver lra --calibration.mode auto",
     "lra_replaceme_anchored": "--calibration.solver lra_replaceme --calibration.mode anchored",
     "lra_replaceme_auto": "--calibration.solver lra_replaceme --calibration.mode auto",
-    "guarded_span": "--calibration.solver guarded --calibration.guard_extra '[span_lra]'",
-    "guarded_joint": "--calibration.solver guarded --calibration.guard_extra '[span_lra, lra_replaceme]'",
+    "guarded_span": "--calibration.solver guarded --calibration.guarded.extra '[span_lra]'",
+    "guarded_joint": "--calibration.solver guarded --calibration.guarded.extra '[span_lra, lra_replaceme]'",
 }
 
-#: Extra candidates the guard may choose (``--calibration.guard_extra``).
-GuardExtra = Literal["span_lra", "lra_replaceme"]
+#: Flat knobs that moved into a solver's (or the re-fit's) own group, or were renamed: old -> new dotted name under
+#: ``calibration`` (a command line or config file that still uses one is told).
+RENAMED_KNOBS = {
+    "guard_extra": "guarded.extra", "guard_path": "guarded.path", "guard_ranks": "guarded.ranks",
+    "guard_topk": "heldout_topk",
+    "cosine_epochs": "replaceme_cosine.epochs", "cosine_lr": "replaceme_cosine.lr",
+    "cosine_batch_tokens": "replaceme_cosine.batch_tokens", "cosine_max_tokens": "replaceme_cosine.max_tokens",
+    "seed": "replaceme_cosine.seed",
+    "refit_kept": "refit.kept", "refit_damping": "refit.damping",
+}
+
+#: The knob groups nested in :class:`CalibrationConfig`: field -> its dataclass, owned (and validated) by the solver or
+#: step it serves.
+GROUPS = {"guarded": GuardKnobs, "replaceme_cosine": CosineKnobs, "refit": RefitKnobs}
+
+
+def yaml_spelling(name: str) -> str:
+    """A dotted knob name under ``calibration`` as a YAML config spells it: ``refit.kept`` -> ``calibration: {refit:
+    {kept: ...}}``."""
+    parts = ["calibration", *name.split(".")]
+    return "".join(f"{p}: {{" for p in parts[:-1]) + f"{parts[-1]}: ..." + "}" * (len(parts) - 1)
+
+
+def renamed_knob_message(old: str, where: str | None = None) -> str:
+    """What a command line (``where`` None) or config file (``where``: its path) that still spells a renamed knob is
+    told."""
+    new = RENAMED_KNOBS[old]
+    if where is None:
+        return f"--calibration.{old} is now --calibration.{new}"
+    return (f"Config file {where}: calibration.{old} is now calibration.{new} (in YAML '{yaml_spelling(new)}'; on "
+            f"the command line --calibration.{new})")
 
 
 @dataclass
@@ -65,40 +98,35 @@ class CalibrationConfig:
     heldout: bool = True
     """Also measure every site's relative residual error on the held-out windows."""
     heldout_every: int = 4
-    """``guarded``, ``mode: auto`` and ``refit_kept``: every k-th calibration window is held out of the fit and judges
+    """``guarded``, ``mode: auto`` and ``refit``: every k-th calibration window is held out of the fit and judges
     the candidates; the chosen map is then refitted on all windows."""
-    guard_extra: list[GuardExtra] = field(default_factory=list)
-    """``guarded``: more candidates per span of two or more blocks: ``span_lra`` (one LRA fitted to the whole span)
-    and ``lra_replaceme`` (the joint map)."""
-    guard_path: list[float] | None = None
-    """``guarded``: the LRA's ridge path, relative dampings tried besides none / no bias / ReplaceMe
-    (``null``: ``[damping, 1e-2, 1, 100]``)."""
-    guard_ranks: list[int] | None = None
-    """``guarded``: adapter ranks tried besides the full-rank ridge path, each at ``damping`` (the
-    optimal reduced-rank fit, e.g. ``[128, 256]``); ``null``: none."""
-    guard_topk: int = 64
-    """``guarded``: the original's top-k next-token probabilities kept per held-out position (KL)."""
-    cosine_epochs: int = 10
-    """``replaceme_cosine``: passes of Adam over the cached activations (ReplaceMe's default: 10)."""
-    cosine_lr: float = 1e-4
-    """``replaceme_cosine``: Adam's learning rate (ReplaceMe's default: 1e-4)."""
-    cosine_batch_tokens: int = 1024
-    """``replaceme_cosine``: tokens per Adam step (ReplaceMe's default: 1024)."""
-    cosine_max_tokens: int = 262144
-    """``replaceme_cosine``: at most this many calibration tokens are cached per span (two float32
-    rows of d each: 2·4·d bytes a token, 1.2 GB at d = 576, 8.6 GB at d = 4096)."""
-    seed: int = 0
-    """Seed of the iterative solvers (``replaceme_cosine``'s data order)."""
-    refit_kept: int | Literal["all"] = 0
-    """Re-fit the first k kept blocks after each removed span (``all``: every one) in closed form once the maps are in
-    place, each kept only if the held-out calibration windows get closer to the original (0: off; Llama layout only;
-    what it does: ``docs/method.md#the-kept-block-re-fit``; what it gains: ``docs/results.md#the-kept-block-re-fit``)."""
-    refit_damping: float = 0.1
-    """The re-fit's relative damping δ towards each layer's own weights (λ = δ · mean diag(XᵀX))."""
+    heldout_topk: int = 64
+    """``guarded``, ``mode: auto`` and ``refit``: the original's top-k next-token probabilities kept per held-out
+    position (KL)."""
+    guarded: GuardKnobs = field(default_factory=GuardKnobs)
+    """``--calibration.solver guarded``: the candidates it tries per span besides none, no bias and ReplaceMe."""
+    replaceme_cosine: CosineKnobs = field(default_factory=CosineKnobs)
+    """``--calibration.solver replaceme_cosine``: its Adam fit on cached activations (defaults: ReplaceMe's)."""
+    refit: RefitKnobs = field(default_factory=RefitKnobs)
+    """The kept-block re-fit after the maps (Llama layout; what it gains: ``docs/results.md#the-kept-block-re-fit``)."""
 
-    def ridge_path(self) -> list[float]:
-        """``guarded``: the relative dampings of the LRA candidates."""
-        return list(self.guard_path) if self.guard_path is not None else [self.damping, 1e-2, 1.0, 100.0]
+    def __post_init__(self):
+        for name, cls in GROUPS.items():  # a group given as a mapping ({"kept": 2}): its dataclass
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, cls(**getattr(self, name)))
+
+    def with_knobs(self, knobs: dict) -> CalibrationConfig:
+        """A copy with ``knobs`` (``{field: value}``) set; a group's given as a mapping sets only the knobs it names
+        (``{"guarded": {"extra": ["span_lra"]}}`` keeps the config's ``guarded.path``)."""
+        out = {}
+        for key, value in knobs.items():
+            if key in RENAMED_KNOBS:
+                raise ConfigError(f"calibration knob {key!r} is now {RENAMED_KNOBS[key]!r} "
+                                  f"({yaml_spelling(RENAMED_KNOBS[key])})")
+            if key in GROUPS and isinstance(value, dict):
+                value = replace(getattr(self, key), **value)
+            out[key] = value
+        return replace(self, **out)
 
     def check_dim(self, dim: int, warn: bool = True) -> None:
         """Checks that need the model's hidden size ``d`` (once it is loaded, before any pass):
@@ -113,13 +141,10 @@ class CalibrationConfig:
                         "(2dr + d = %d parameters) is no smaller than the full-rank one (d² + d = %d); use "
                         "r < %d to save parameters, or null for full rank", self.rank, dim,
                         2 * dim * self.rank + dim, dim * dim + dim, (dim + 1) // 2)
-        bad = [r for r in self.guard_ranks or [] if r > dim]
-        if bad:
-            raise ConfigError(f"--calibration.guard_ranks {bad} exceed the model's hidden size d = {dim}; "
-                              f"ranks must be at most {dim} (a rank of {dim} is the full-rank LRA, already a candidate)")
+        self.guarded.check_dim(dim)
 
     def validate(self) -> None:
-        """Cheap checks (before any model is loaded); the solver checks its own options."""
+        """Cheap checks (before any model is loaded), each group's by the group; the solver checks the combination."""
         if not (isinstance(self.damping, (int, float)) and math.isfinite(self.damping) and self.damping > 0):
             raise ConfigError(f"--calibration.damping must be a finite number > 0, got {self.damping}")
         if self.rank is not None and self.rank < 1:
@@ -127,25 +152,7 @@ class CalibrationConfig:
         if self.heldout_every < 2:
             raise ConfigError(f"--calibration.heldout_every must be >= 2 (every k-th window held out), got "
                               f"{self.heldout_every}")
-        bad = [x for x in self.guard_extra if x not in typing.get_args(GuardExtra)]
-        if bad:
-            raise ConfigError(f"--calibration.guard_extra {bad}: choose from {list(typing.get_args(GuardExtra))}")
-        if not self.ridge_path() or any(not (math.isfinite(x) and x > 0) for x in self.ridge_path()):
-            raise ConfigError(f"--calibration.guard_path must be finite relative dampings > 0, got {self.guard_path}")
-        if self.guard_ranks is not None and any(isinstance(r, bool) or not isinstance(r, int) or r < 1
-                                                for r in self.guard_ranks):
-            raise ConfigError(f"--calibration.guard_ranks must be whole ranks >= 1 (or null), got {self.guard_ranks}")
-        if self.guard_topk < 1:
-            raise ConfigError(f"--calibration.guard_topk must be >= 1, got {self.guard_topk}")
-        for name in ("cosine_epochs", "cosine_batch_tokens", "cosine_max_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--calibration.{name} must be >= 1, got {getattr(self, name)}")
-        if self.refit_kept != "all" and (isinstance(self.refit_kept, bool) or not isinstance(self.refit_kept, int)
-                                         or self.refit_kept < 0):
-            raise ConfigError(f"--calibration.refit_kept must be a whole number of blocks >= 0 (0: off) or 'all', "
-                              f"got {self.refit_kept!r}")
-        if not (isinstance(self.refit_damping, (int, float)) and math.isfinite(self.refit_damping)
-                and self.refit_damping > 0):
-            raise ConfigError(f"--calibration.refit_damping must be a finite number > 0, got {self.refit_damping}")
-        if not (math.isfinite(self.cosine_lr) and self.cosine_lr > 0):
-            raise ConfigError(f"--calibration.cosine_lr must be a finite number > 0, got {self.cosine_lr}")
+        if self.heldout_topk < 1:
+            raise ConfigError(f"--calibration.heldout_topk must be >= 1, got {self.heldout_topk}")
+        for group in GROUPS:
+            getattr(self, group).validate()

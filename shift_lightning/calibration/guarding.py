@@ -83,7 +83,7 @@ class GuardChoice:
         if not held_out:
             raise ConfigError(f"--calibration.solver guarded holds out every {k}-th calibration window, but there are "
                               f"only {len(windows)}: raise --data.num_samples")
-        judge = GuardJudge(m.model, m.removed, m.spans, candidates, default, self.guard.cfg.guard_topk)
+        judge = GuardJudge(m.model, m.removed, m.spans, candidates, default, self.guard.cfg.heldout_topk)
         judge.run(trainer, TokenWindows(windows.input_ids[held_out], windows.attention_mask[held_out]), batch_size)
         chosen = {key: judge.results[key]["chosen"] for key in judge.results}
         refit = self.solve([c for c in cands if c.name in set(chosen.values())], fitting=False)

@@ -7,15 +7,15 @@ It receives a built model and the original indices of the blocks to remove (it n
 :func:`~shift_lightning.maps.surgery.remove_blocks` does); ``solvers`` (default ``[cfg.solver]``) are
 fitted from the same pass: solver names, or ``{key: {knob: value}}`` to fit several configurations of the
 solvers side by side from one pass (a grid's variants, e.g. ``{"lra": {}, "lra_span": {"solver": "lra",
-"granularity": "span"}}``; the knobs replace ``cfg``'s fields, ``solver`` defaults to the key; all share ``cfg``'s
-``mode``). Afterwards :meth:`correction` gives what a solver does to the pruned
+"granularity": "span"}}``; the knobs replace ``cfg``'s fields, a group's as a mapping such as
+``{"guarded": {"extra": ["span_lra"]}}`` (:meth:`~.config.CalibrationConfig.with_knobs`), ``solver`` defaults to the
+key; all share ``cfg``'s ``mode``). Afterwards :meth:`correction` gives what a solver does to the pruned
 model, :attr:`solutions` the fitted maps, :attr:`reports` the per-site errors.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import lightning as L
 import torch
@@ -92,7 +92,7 @@ class CalibrationModule(DataPass):
         """``key -> solver``, each configured by ``cfg`` with its own knobs (see the module doc)."""
         out = {}
         for key, knobs in variants.items():
-            cfg = replace(self.cfg, **knobs) if knobs else self.cfg
+            cfg = self.cfg.with_knobs(knobs) if knobs else self.cfg
             if cfg.mode != self.cfg.mode:
                 raise ConfigError(f"{key!r} is fitted in --calibration.mode {cfg.mode}, this pass in {self.cfg.mode}: "
                                   "fit it in a calibration of its own")
@@ -133,7 +133,7 @@ class CalibrationModule(DataPass):
         """The statistics of ``plan`` in one block-major pass. ``solve``: each site solved (and its sums freed) as
         soon as the walk has passed its last block (the same sums and solves as :meth:`solve` after the pass)."""
         self._collector = Collector(self.dim, plan, self.cfg.accum_dtype, self.cfg.heldout_every if holdout else None,
-                                    self.cfg.cosine_max_tokens, self.ffn_dim)
+                                    self.cfg.replaceme_cosine.max_tokens, self.ffn_dim)
         self._pipe, self.stage = IndependentPass(self.model, self._collector), stage
         if solve:
             self._eager, self._solved = self._solve_sites, 0

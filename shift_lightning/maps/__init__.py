@@ -17,6 +17,7 @@ what the removed blocks did to the hidden state. Its whole life is here:
 ``surgery``        blocks removed, maps put in place (adapters attached, branch maps and the stock repair
                    folded into ``down_proj`` or the embedding)
 ``keptfit``        the kept-block re-fit: the kept blocks after a site re-fitted to absorb the drift
+``keptfit_knobs``  its knobs (``--calibration.refit.*``), apart so that the config imports no torch
 ``record``         how a folder records its maps (``shift_config.json``)
 =================  ======================================================================================
 

@@ -22,7 +22,7 @@ norms, ``n(z) = z / rms(z) · (1 + w)``), the branch adds a vector of fixed size
 carry the drift, only turn towards it and lose its own signal. Tried with the target taken in the norm's output
 space (its direction, at the layer's own scale: ``post_norm="direction"``), it moved Gemma3-270M *away* from the
 original on held-out calibration windows under every damping tried (``results/bench/refit_gemma3-270m.md``), so such
-blocks are refused (``post_norm="refuse"``, what ``--calibration.refit_kept`` uses).
+blocks are refused (``post_norm="refuse"``, what ``--calibration.refit.kept`` uses).
 
 Statistics per group: ``X_pᵀX_p`` and ``X_pᵀZ*`` in float64 from the real (unpadded) tokens; the walk keeps the
 per-batch states of both models (2 · tokens · d floats) and runs each re-fitted block once per group. The
@@ -224,12 +224,12 @@ def check_block(blk, where: str, post_norm: str = "refuse") -> None:
     if post_norm == "refuse" and _post_norm(blk, 1) is not None:
         raise KeptFitError(f"{where}: this block adds its branches to the stream through norms (Gemma3's sandwich "
                            "norms), so a re-fitted branch cannot carry the stream's drift (measured: it moves "
-                           "Gemma3-270M away from the original); drop --calibration.refit_kept")
+                           "Gemma3-270M away from the original); drop --calibration.refit.kept")
     missing = [n for n in LAYERS if not isinstance(_get(blk, n), torch.nn.Linear)]
     if missing or not isinstance(_get(blk, "post_attention_layernorm"), torch.nn.Module):
         raise KeptFitError(f"{where}: the kept-block re-fit needs the Llama block layout (separate "
                            f"{', '.join(missing or ['post_attention_layernorm'])}); this block differs: drop "
-                           "--calibration.refit_kept")
+                           "--calibration.refit.kept")
 
 
 def _get(blk, name: str):

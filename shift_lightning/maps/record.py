@@ -47,7 +47,7 @@ class ShiftSpec:
     ``{"into": "down_proj", "block": i}`` (pruned block index) or ``{"into": "embedding"}``; their tensors are
     ``fold.down.<i>.weight`` / ``.bias`` and ``fold.embedding.weight`` / ``.bias`` (float64, as fitted)."""
     refit_blocks: list[int] | None = None
-    """Pruned positions of kept blocks whose linear layers were re-fitted (``--calibration.refit_kept``); an
+    """Pruned positions of kept blocks whose linear layers were re-fitted (``--calibration.refit.kept``); an
     adapter-only folder stores their weights in ``lra.safetensors`` as ``kept.<position>.<layer>.weight``."""
     recovered: bool | None = None
     recovery_steps: int | None = None

@@ -200,7 +200,7 @@ class CalibrationRecipe:
                    ``--evaluate`` asks;
     ``calibrate``  the maps fitted (:class:`~shift_lightning.calibration.CalibrationModule`), an onloaded run's
                    held-out report, the blocks removed and the maps put in place;
-    ``refit``      the guarded re-fit of the kept blocks (``--calibration.refit_kept``), then the evaluation;
+    ``refit``      the guarded re-fit of the kept blocks (``--calibration.refit.kept``), then the evaluation;
     ``report``     the :class:`~shift_lightning.reports.CalibrationReport`;
     ``save``       rank 0 publishes ``<output_dir>``: the model (or its adapters), the report, ``config.yaml``.
     """
@@ -249,7 +249,7 @@ class CalibrationRecipe:
             check_layers(list(job.prune.layers), self.n_layers)
         else:
             num_to_remove(self.n_layers, job.prune.ratio)
-        if job.calibration.refit_kept:  # the layout is the model's: refuse before any pass
+        if job.calibration.refit.kept:  # the layout is the model's: refuse before any pass
             check_block(decoder_layers(lm)[0], f"{lm.config.model_type} blocks")
 
     def _build_windows(self) -> None:
@@ -296,7 +296,7 @@ class CalibrationRecipe:
             lm, layers, self.correction, self.make_trainer, self.heldout_windows, job.heldout.batch_size)
         for note in self.correction.notes:
             log.warning(note)
-        self.original = original_copy(lm) if job.calibration.refit_kept and layers else None
+        self.original = original_copy(lm) if job.calibration.refit.kept and layers else None
         remove_blocks(lm, layers)
         if self.scorer is not None and job.evaluate_baselines:
             self._evaluate("pruned")
@@ -309,10 +309,10 @@ class CalibrationRecipe:
         cal, lm = self.job.calibration, self.lm
         self.refit_result = None
         if self.original is not None:
-            pairs = refit_pairs(self.selection.layers, self.n_layers, cal.refit_kept)
-            log.info("Re-fitting kept blocks %s (relative damping %g)", [o for _, o in pairs], cal.refit_damping)
+            pairs = refit_pairs(self.selection.layers, self.n_layers, cal.refit.kept)
+            log.info("Re-fitting kept blocks %s (relative damping %g)", [o for _, o in pairs], cal.refit.damping)
             self.refit_result = guarded_refit(
-                lm, self.original, self.windows, pairs, cal.refit_damping, cal.heldout_every, cal.guard_topk,
+                lm, self.original, self.windows, pairs, cal.refit.damping, cal.heldout_every, cal.heldout_topk,
                 progress=lambda o, kl, keep: log.info("kept block %d re-fitted: held-out KL %.4f, %s", o, kl,
                                                       "kept" if keep else "undone"),
                 rank=dist.rank(), world=dist.world_size(), reduce=dist.all_reduce_flat,

@@ -26,6 +26,7 @@ from typing import Callable
 
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace, set_parsing_settings
 
+from ..calibration.config import RENAMED_KNOBS, RETIRED_SOLVERS, renamed_knob_message
 from ..config import (CALIBRATION_SOURCE, CalibrationConfig, EvalConfig, ModelConfig, PruneConfig, RecoveryConfig,
                       TextDataConfig, default_heldout)
 from ..errors import ConfigError, ShiftError, UsageError
@@ -160,7 +161,8 @@ def find_config(name: str) -> str:
 
 
 def check_config_file(path: str) -> str:
-    """A config file must hold a YAML mapping of settings (an empty one is a mistake, not "no settings")."""
+    """A config file must hold a YAML mapping of settings (an empty one is a mistake, not "no settings"), with no
+    calibration knob under a name it no longer has (:data:`~shift_lightning.calibration.config.RENAMED_KNOBS`)."""
     import yaml
 
     from ..configcheck import check_config_doc
@@ -178,6 +180,9 @@ def check_config_file(path: str) -> str:
         raise UsageError(f"Config file {path} holds a {type(doc).__name__}, not a mapping of settings "
                          "('section: {option: value}')")
     check_config_doc(doc, path)  # sections are mappings; no alias bomb (shift_lightning.configcheck)
+    renamed = [k for k in doc.get("calibration") or {} if k in RENAMED_KNOBS]
+    if renamed:
+        raise UsageError(renamed_knob_message(renamed[0], path))
     return path
 
 
@@ -328,15 +333,25 @@ def resolve_prune_request(cfg: Namespace, given: set[str]) -> None:
     cfg.prune.layers = None
 
 
+def check_renamed_knobs(argv: list[str], parser: ArgumentParser) -> None:
+    """A calibration knob given under a name it no longer has (``--calibration.refit_kept``) is refused with its new
+    spelling (``--calibration.refit.kept``), before the parser's generic "unrecognized arguments"."""
+    if not any("--calibration.solver" in a.option_strings for a in parser._actions):
+        return
+    for a in argv:
+        old = a.split("=", 1)[0].removeprefix("--calibration.")
+        if a.startswith("--calibration.") and old in RENAMED_KNOBS:
+            raise UsageError(renamed_knob_message(old))
+
+
 def parse_args(parser, argv: list[str]) -> Namespace:
     """``parser.parse_args`` with our argv conventions; a refused command line is a :class:`UsageError`."""
+    check_renamed_knobs(argv, parser)
     try:
         return parser.parse_args(preprocess_argv(argv, parser))
     except ArgumentError as e:
         msg = _one_line(e)
         if "calibration.solver" in msg:
-            from ..calibration.config import RETIRED_SOLVERS
-
             got = msg.rsplit("Got value: ", 1)[-1].strip()
             if got in RETIRED_SOLVERS:
                 msg = f"--calibration.solver {got} is now spelt with knobs: {RETIRED_SOLVERS[got]}"

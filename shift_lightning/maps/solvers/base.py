@@ -1,9 +1,11 @@
 """The solver interface: fitted statistics in, a map out.
 
 A solver is a *method*, registered under its name (the value of ``--calibration.solver``); how it is fitted —
-per block or per span (``granularity``), on the original or the corrected model (``mode``), at which rank, with
-which guard candidates — are knobs of :class:`~shift_lightning.calibration.config.CalibrationConfig`, read from
-``self.cfg``. A new map is one file here with an ``@register`` class and one import line in ``__init__.py``::
+per block or per span (``granularity``), on the original or the corrected model (``mode``), at which rank — are
+knobs of :class:`~shift_lightning.calibration.config.CalibrationConfig`, read from ``self.cfg``. Knobs that serve
+one solver only are a small dataclass defined beside it, a field of the config named after the solver
+(``--calibration.guarded.*``, ``--calibration.replaceme_cosine.*``). A new map is one file here with an
+``@register`` class and one import line in ``__init__.py``::
 
     @register
     class NoBias(Solver):
@@ -34,7 +36,7 @@ registry's names are the config's choices (``--help`` reads them without loading
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from ...errors import ConfigError
 
@@ -53,10 +55,10 @@ class SolverSettings(Protocol):
     granularity: str
     rank: int | None
     damping: float
-    guard_extra: list
-    guard_ranks: list[int] | None
-
-    def ridge_path(self) -> list[float]: ...
+    guarded: Any
+    """The guard's knobs (:class:`~.guard.GuardKnobs`, ``--calibration.guarded.*``)."""
+    replaceme_cosine: Any
+    """``replaceme_cosine``'s knobs (:class:`~.replaceme.CosineKnobs`, ``--calibration.replaceme_cosine.*``)."""
 
 
 class Solver:

@@ -15,21 +15,45 @@ starting at block 0 has no block to fold into and stays uncorrected.
   (lr 1e-4, 1024 tokens a step, 10 epochs over the cached tokens, reshuffled each epoch) minimises
   ``1 − mean_t cos(m_t T, m_t + Δ_t)`` over the calibration tokens (float32, seeded order, padding
   masked; the reference keeps padding rows). The cached rows are capped at
-  ``--calibration.cosine_max_tokens``.
+  ``--calibration.replaceme_cosine.max_tokens``; its knobs are :class:`CosineKnobs`
+  (``--calibration.replaceme_cosine.*``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from dataclasses import dataclass
 
+from ...errors import ConfigError
 from .base import Solver, register
 
-if TYPE_CHECKING:
-    import torch
+# No imports for type checking only in this module: jsonargparse runs them when it reads the knobs' dataclass for
+# ``--help``, which must not import torch (the solver's signatures are the base class's).
 
-    from ..ridge import Solution
-    from ...calibration.collect import SiteStatistics
-    from ..sites import Site
+
+@dataclass
+class CosineKnobs:
+    """``replaceme_cosine``'s Adam fit on cached activations (``--calibration.replaceme_cosine.*``; the defaults are
+    ReplaceMe's)."""
+
+    epochs: int = 10
+    """Passes of Adam over the cached activations."""
+    lr: float = 1e-4
+    """Adam's learning rate."""
+    batch_tokens: int = 1024
+    """Tokens per Adam step."""
+    max_tokens: int = 262144
+    """At most this many calibration tokens cached per span (two float32 rows of d each: 8·d bytes a token)."""
+    seed: int = 0
+    """Seed of the data order."""
+
+    def validate(self) -> None:
+        """Cheap checks (before any model is loaded)."""
+        for name in ("epochs", "batch_tokens", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--calibration.replaceme_cosine.{name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"--calibration.replaceme_cosine.lr must be a finite number > 0, got {self.lr}")
 
 
 @register
@@ -40,19 +64,19 @@ class ReplaceMe(Solver):
     placement = "branch"
     needs = frozenset({"branch"})
 
-    def applies(self, site: Site) -> bool:
+    def applies(self, site) -> bool:
         return site.start >= 1
 
-    def fit(self, stats: SiteStatistics) -> Solution:
+    def fit(self, stats):
         from ..ridge import ridge_solve
 
         return ridge_solve(stats.branch, self.cfg.damping, None, "affine", bias=False)
 
 
-def cosine_fit(m: torch.Tensor, y: torch.Tensor, epochs: int = 10, lr: float = 1e-4, batch_tokens: int = 1024,
-               seed: int = 0, device=None) -> tuple[torch.Tensor, list[float]]:
+def cosine_fit(m, y, epochs: int = 10, lr: float = 1e-4, batch_tokens: int = 1024, seed: int = 0,
+               device=None) -> tuple:
     """``T: (d, d)`` float64 minimising ``1 − mean cos(m T, y)`` by Adam from ``T = I`` (see module doc);
-    ``m, y: (N, d)``. Returns ``T`` and the mean loss of each epoch."""
+    ``m, y``: ``(N, d)`` tensors. Returns ``T`` (a tensor) and the mean loss of each epoch."""
     import torch
 
     d = m.shape[1]
@@ -86,7 +110,7 @@ class ReplaceMeCosine(ReplaceMe):
     description = "ReplaceMe (cosine objective, Adam on cached activations) maps on the MLP branch of the block before each span"
     needs = frozenset({"branch", "rows"})
 
-    def fit(self, stats: SiteStatistics) -> Solution:
+    def fit(self, stats):
         import torch
 
         from ..ridge import Solution, SolveError
@@ -95,10 +119,10 @@ class ReplaceMeCosine(ReplaceMe):
         if m.shape[0] == 0:
 
             raise SolveError(f"{stats.site.name}: no calibration tokens were cached for ReplaceMe's cosine fit")
-        c = self.cfg
-        T, history = cosine_fit(m, y, c.cosine_epochs, c.cosine_lr, c.cosine_batch_tokens, c.seed, self.device)
+        c = self.cfg.replaceme_cosine
+        T, history = cosine_fit(m, y, c.epochs, c.lr, c.batch_tokens, c.seed, self.device)
         d = T.shape[0]
         zero = torch.zeros(d, dtype=torch.float64, device=T.device)
         return Solution(T.T.contiguous(), zero, None, None, 0.0, "affine",
                         info={"cosine_loss": history, "tokens": int(m.shape[0]),
-                              "steps": c.cosine_epochs * -(-m.shape[0] // c.cosine_batch_tokens)})
+                              "steps": c.epochs * -(-m.shape[0] // c.batch_tokens)})

@@ -23,7 +23,7 @@ into the stream with no norm after it):
   ``x = E[t]``, so the span's LRA ``y = x + x Wᵀ + b`` (fitted as ``lra`` does, on ``(x, Δ)``) folds into the
   embedding table, ``E' = E + E Wᵀ + b``. A tied ``lm_head`` is untied first (it keeps the original table).
 
-After the span, ``--calibration.refit_kept k`` re-fits the first ``k`` kept blocks' linear layers
+After the span, ``--calibration.refit.kept k`` re-fits the first ``k`` kept blocks' linear layers
 (:mod:`~shift_lightning.maps.keptfit`): stock weights too. A folder repaired by ``stock`` (with or without the
 re-fit) is a plain folder of its family: ``AutoModelForCausalLM.from_pretrained`` without remote code, GGUF,
 llama.cpp.
