@@ -52,9 +52,12 @@ from shift_lightning.export.gguf_converter import LLAMA_CPP_PYTHON, SDIST, llama
 from shift_lightning.outputs import write_json_atomic, write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
-#: How the cached wheel is built (no examples, tests, server or curl; this machine's CPU features).
-CMAKE_ARGS = ("-DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF "
-              "-DLLAMA_CURL=OFF -DGGML_OPENMP=OFF")
+#: How the cached wheel is built: no examples, tests, server or curl; AVX2 / FMA / F16C rather than ``-march=native``
+#: (a native build on a VM whose CPU reports AVX-512 and AMX it does not let a process run died of SIGILL in the first
+#: ``llama_decode``; the check measures agreement, not speed).
+CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF "
+              "-DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF "
+              "-DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DGGML_OPENMP=OFF")
 SMOLLM2_LAYERS = list(range(12, 19))
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=49152, max_position_embeddings=512)
