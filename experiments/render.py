@@ -161,7 +161,8 @@ NOT_RENDERED = {
     **{f"results/llama_cpp/{n}.md": "written by llama_cpp_check.py while it runs llama.cpp and the model"
        for n in ("tiny-llama", "smollm2-135m", "smollm2-135m-stock-reverse_star", "smollm2-135m-stock-reverse_star-kvf32",
                  "gemma3-270m-blocks6-11", "gemma3-270m-blocks7-10-unchecked", "gemma3-270m-blocks7-10",
-                 "gemma3-270m-blocks7-10-kvf32")},
+                 "gemma3-270m-blocks7-10-kvf32", "smollm2-135m-kvf32", "smollm2-135m-kvf32-flash",
+                 "smollm2-135m-stock-lora-kvf32", "smollm2-135m-stock-lora-kvf32-flash")},
     "results/llama_cpp/tokenizer_smollm2.md": "written by llama_cpp_tokenizer.py while it runs llama.cpp's tokenizer",
     "results/eval/README.md": "hand-written",
     "results/paper_r10/README.md": "hand-written (the grid's tables are not committed)",
