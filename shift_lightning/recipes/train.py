@@ -522,6 +522,7 @@ class CheckpointOnStop(L.Callback):
 
         stopping.rearm()  # Lightning ignores Ctrl-C from here on: a second one should still end the process
         stopping.reset_critical()
+        stopping.spare_rank0_on_lost_peer(exception)  # a rank died: rank 0 saves and says so before it ends
         if trainer.state.fn != "fit" or trainer.global_step == 0:
             return
         path = self.dirpath / "last.ckpt"
