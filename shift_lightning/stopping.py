@@ -211,13 +211,19 @@ def spare_rank0_on_lost_peer(e: BaseException) -> None:
     """Rank 0, a collective failed because another rank is gone (:func:`lost_peer`): Lightning's process observer
     SIGKILLs rank 0 within its 5 s poll of the dead child, which on a busy machine lands in the middle of the stop
     checkpoint and before the one line naming the rank. Leave rank 0 to end itself, bounded by the grace timer."""
-    if _child_rank() != 0 or lost_peer(e) is None:
-        return
-    _spare_on_stop()
+    why = lost_peer(e) if _child_rank() == 0 else None
+    if why is not None:
+        _spare_on_stop()
+        _arm_grace(1, f"{why}; the stop did not finish within {{grace}}")
+
+
+def _arm_grace(code: int, why: str) -> None:
+    """Once per process: exit with ``code`` and ``why`` (``{grace}`` filled in, the knob named) if the stop outlasts
+    the grace."""
     if _state.timer is None:
         grace = _grace()
-        _state.timer = threading.Timer(grace, _force_exit, (1, f"{lost_peer(e)}; the stop did not finish within "
-                                                               f"{grace:g} s ({GRACE_ENV})", True))
+        why = f"{why.format(grace=f'{grace:g} s')} ({GRACE_ENV})"
+        _state.timer = threading.Timer(grace, _force_exit, (code, why, True))
         _state.timer.daemon = True
         _state.timer.start()
 
@@ -240,13 +246,7 @@ def _watch_signals(sock: socket.socket, stop: threading.Event) -> None:
             code = 128 + signum
             if signum == signal.SIGINT and _state.signals.count(signal.SIGINT) >= 2:
                 _force_exit(code, "second Ctrl-C: stopping now")
-            if _state.timer is None:
-                grace = _grace()
-                _state.timer = threading.Timer(grace, _force_exit, (code, f"the run did not stop within {grace:g} s "
-                                                                          f"of {name}; exiting by force ({GRACE_ENV})",
-                                                                    True))
-                _state.timer.daemon = True
-                _state.timer.start()
+            _arm_grace(code, f"the run did not stop within {{grace}} of {name}; exiting by force")
 
 
 def _watch_parent(parent: int, rank: int, stop: threading.Event) -> None:
