@@ -306,6 +306,18 @@ def _refuse_custom_code(path: str, e: Exception) -> None:
                              "--model.trust_remote_code true (in Python: ModelConfig(trust_remote_code=True))") from None
 
 
+def check_source(src: str, gguf_file: str | None = None) -> None:
+    """Refuse a model source that names a local file or folder that is not there (before anything loads)."""
+    if src in EMBEDDED_MODELS:
+        return
+    p = Path(src).expanduser()
+    if src.endswith(".gguf") or gguf_file:
+        if not (p / (gguf_file or "")).exists():
+            raise ModelLoadError(f"GGUF file not found: {p / (gguf_file or '')}")
+    elif src.startswith((".", "/", "~")) and not p.exists():
+        raise ModelLoadError(f"Model folder not found: {p}")
+
+
 def load_model(cfg: ModelConfig | None = None, **kwargs):
     """Load ``(model, tokenizer)`` as described by ``cfg`` (or keyword arguments of ModelConfig).
 
@@ -323,25 +335,16 @@ def load_model(cfg: ModelConfig | None = None, **kwargs):
                                       dtype=_DTYPES[cfg.dtype], **tiny)
     else:
         src = cfg.name_or_path
+        check_source(src, cfg.gguf_file)
         if src in EMBEDDED_MODELS:
             model, tokenizer = _load_gguf(resolve_embedded(src), cfg)
-        elif src.endswith(".gguf"):
-            p = Path(src).expanduser()
-            if not p.exists():
-                raise ModelLoadError(f"GGUF file not found: {p}")
-            model, tokenizer = _load_gguf(p, cfg)
-        elif cfg.gguf_file:
-            p = Path(src).expanduser() / cfg.gguf_file
-            if not p.exists():
-                raise ModelLoadError(f"GGUF file not found: {p}")
-            model, tokenizer = _load_gguf(p, cfg)
+        elif src.endswith(".gguf") or cfg.gguf_file:
+            model, tokenizer = _load_gguf(Path(src).expanduser() / (cfg.gguf_file or ""), cfg)
         else:
             p = Path(src).expanduser()
             if (p / "shift_config.json").exists():
                 raise ModelLoadError(f"{p} is a pruned shift-lightning folder: load it with "
                                      "shift_lightning.load_pretrained (it re-attaches the adapters)")
-            if src.startswith((".", "/", "~")) and not p.exists():
-                raise ModelLoadError(f"Model folder not found: {p}")
             model, tokenizer = _load_hf(str(p) if p.exists() else src, cfg)
     decoder_layers(model)
     model.eval()

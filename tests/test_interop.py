@@ -379,12 +379,20 @@ def folder_with_maps(tmp_path_factory):
     (["--model", "shift", "--model_args", "pretrained={maps},peft={pickled}"], "(only adapter_model.bin: a pickle"),
     (["--model", "hf", "--model_args", "pretrained={maps}"], "which --model hf cannot run"),
 ])
-def test_the_lm_eval_entry_point_gives_one_line_for_ours(argv, match, folder_with_maps, tmp_path, capsys):
+def test_the_lm_eval_entry_point_gives_one_line_for_ours(argv, match, folder_with_maps, tmp_path, capsys,
+                                                         monkeypatch):
     """Mistakes about our models through ``python -m shift_lightning.lmeval`` (no model arguments, an unknown
-    dtype, a PEFT adapter saved as a pickle, ``--model hf`` on a folder with maps): one ``error:`` line, exit 2;
-    the harness's own errors keep its conventions."""
+    dtype, a PEFT adapter saved as a pickle, ``--model hf`` on a folder with maps): one ``error:`` line, exit 2,
+    before the harness indexes its tasks (seconds); the harness's own errors keep its conventions."""
     pytest.importorskip("lm_eval")
+    import lm_eval.tasks
+
     from shift_lightning import lmeval
+
+    def indexed(*a, **k):
+        raise AssertionError("the harness indexed its tasks before the error")
+
+    monkeypatch.setattr(lm_eval.tasks.TaskManager, "__init__", indexed)
 
     (tmp_path / "lora").mkdir()
     (tmp_path / "lora" / "adapter_model.bin").write_bytes(b"\\x80\\x04N.")  # a pickle: never unpickled

@@ -43,6 +43,31 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 _UNSUPPORTED = ("delta", "autogptq", "gptqmodel", "gguf_file", "parallelize", "tp_plan", "revision", "subfolder")
 
 
+def check_model_args(pretrained, dtype, peft, kwargs: dict) -> None:
+    """``--model shift``'s arguments, checked before anything loads (the entry point calls it before the harness
+    indexes its tasks, which takes seconds)."""
+    from ..errors import ConfigError
+    from ..models import check_source
+
+    if not pretrained:
+        raise ConfigError("--model shift needs --model_args pretrained=<a saved folder, an HF id or folder, a .gguf "
+                          "or an embedded name such as smollm2-135m>")
+    if isinstance(dtype, str) and dtype not in _DTYPES:
+        raise ConfigError(f"--model_args dtype={dtype}: not a dtype here; choose one of {', '.join(_DTYPES)}")
+    check_source(str(pretrained))
+    given = sorted(k for k in _UNSUPPORTED if kwargs.get(k) not in (None, False, "", "main"))
+    if given:
+        raise ConfigError(f"--model shift does not support {given}: the folder is loaded by "
+                          "shift_lightning.load_pretrained")
+    if peft and not os.path.isdir(os.path.expanduser(str(peft))):
+        raise ConfigError(f"--model_args peft={peft}: no such adapter folder (a LoRA recovery's lora/)")
+    if peft and not os.path.exists(os.path.join(os.path.expanduser(str(peft)), "adapter_model.safetensors")):
+        found = sorted(f for f in os.listdir(os.path.expanduser(str(peft))) if f.endswith((".bin", ".pt", ".pth")))
+        raise ConfigError(f"--model_args peft={peft}: no adapter_model.safetensors"
+                          + (f" (only {', '.join(found)}: a pickle, which is never unpickled)" if found else "")
+                          + "; save the adapter with safe_serialization (PEFT's default)")
+
+
 @register_model("shift", "shift-lightning")
 class ShiftLM(HFLM):
     """``HFLM`` over ``shift_lightning.load_pretrained(pretrained, dtype)``: a saved folder with its
@@ -55,24 +80,7 @@ class ShiftLM(HFLM):
                  peft: str | None = None, **kwargs):
         from ..checkpoint import load_pretrained
 
-        from ..errors import ConfigError
-
-        if not pretrained:
-            raise ConfigError("--model shift needs --model_args pretrained=<a saved folder, an HF id or folder, a .gguf "
-                              "or an embedded name such as smollm2-135m>")
-        if isinstance(dtype, str) and dtype not in _DTYPES:
-            raise ConfigError(f"--model_args dtype={dtype}: not a dtype here; choose one of {', '.join(_DTYPES)}")
-        given = sorted(k for k in _UNSUPPORTED if kwargs.get(k) not in (None, False, "", "main"))
-        if given:
-            raise ConfigError(f"--model shift does not support {given}: the folder is loaded by "
-                              "shift_lightning.load_pretrained")
-        if peft and not os.path.isdir(os.path.expanduser(str(peft))):
-            raise ConfigError(f"--model_args peft={peft}: no such adapter folder (a LoRA recovery's lora/)")
-        if peft and not os.path.exists(os.path.join(os.path.expanduser(str(peft)), "adapter_model.safetensors")):
-            found = sorted(f for f in os.listdir(os.path.expanduser(str(peft))) if f.endswith((".bin", ".pt", ".pth")))
-            raise ConfigError(f"--model_args peft={peft}: no adapter_model.safetensors"
-                              + (f" (only {', '.join(found)}: a pickle, which is never unpickled)" if found else "")
-                              + "; save the adapter with safe_serialization (PEFT's default)")
+        check_model_args(pretrained, dtype, peft, kwargs)
         for k in (*_UNSUPPORTED, "trust_remote_code"):  # load_pretrained never runs a folder's code
             kwargs.pop(k, None)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -116,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv = [sys.argv[0], *argv]
     try:
         _check_hf_on_our_folder(sys.argv[1:])
+        _check_shift_args(sys.argv[1:])
         cli_evaluate()
     except ShiftError as e:  # a mistake in the arguments or the model: one line, exit 2 (as our entry points)
         if "--debug" in sys.argv:
@@ -124,22 +133,33 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
 
 
+def _flag(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _check_shift_args(argv: list[str]) -> None:
+    """``--model shift``'s arguments as the harness will parse them, checked before it indexes its tasks."""
+    if _flag(argv, "--model") not in ("shift", "shift-lightning"):
+        return
+    from lm_eval.utils import simple_parse_args_string
+
+    args = simple_parse_args_string(_flag(argv, "--model_args"))
+    check_model_args(args.pop("pretrained", None), args.pop("dtype", "auto"), args.pop("peft", None), args)
+
+
 def _check_hf_on_our_folder(argv: list[str]) -> None:
     """``--model hf`` on a folder with maps would reach transformers' remote-code refusal (a traceback): ours to say."""
     from ..checkpoint import is_shift_folder
     from ..errors import ConfigError
 
-    def value(flag: str) -> str | None:
-        for i, a in enumerate(argv):
-            if a == flag and i + 1 < len(argv):
-                return argv[i + 1]
-            if a.startswith(flag + "="):
-                return a.split("=", 1)[1]
-        return None
-
-    if value("--model") not in ("hf", "hf-auto", "huggingface"):
+    if _flag(argv, "--model") not in ("hf", "hf-auto", "huggingface"):
         return
-    args = dict(kv.split("=", 1) for kv in (value("--model_args") or "").split(",") if "=" in kv)
+    args = dict(kv.split("=", 1) for kv in (_flag(argv, "--model_args") or "").split(",") if "=" in kv)
     path = args.get("pretrained")
     if path and os.path.isdir(os.path.expanduser(path)) and is_shift_folder(os.path.expanduser(path)) \
             and os.path.exists(os.path.join(os.path.expanduser(path), "lra.safetensors")):
