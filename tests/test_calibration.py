@@ -352,9 +352,15 @@ def test_adapter_rank_is_checked_against_the_hidden_size(tiny64, tmp_path, caplo
 
 
 def _cli(*args, world=1, env_extra=None):
+    """``calibrate.py`` on the tiny config: one process runs here (a subprocess adds only its start-up), more
+    than one as DDP ranks over gloo."""
+    base = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.enable_progress_bar", "false", *args]
+    if world == 1 and not env_extra:
+        from shift_lightning.recipes import cli
+
+        return cli.calibrate_main(base)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env_extra or {})}
-    cmd = [sys.executable, str(ROOT / "calibrate.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
-           "--trainer.enable_progress_bar", "false", *args]
+    cmd = [sys.executable, str(ROOT / "calibrate.py"), *base]
     if world > 1:
         cmd += ["--trainer.devices", str(world), "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -426,16 +432,21 @@ def test_ddp_guard_and_cosine_and_linear_fit_match_one_process(tmp_path):
             assert s2["guard"]["kl"][cand] == pytest.approx(v, rel=1e-5, abs=1e-12)
 
 
-def test_cli_print_config_and_refuses_existing_output(tmp_path):
-    r = _cli("--output_dir", str(tmp_path / "x"), "--print_config", "--calibration.refit.kept", "2")
-    assert "calibration:" in r.stdout and "damping:" in r.stdout and "trainer:" in r.stdout
-    assert "  refit:\n    kept: 2\n" in r.stdout  # a number stays a number beside the keyword ``all``
+def test_cli_print_config_and_refuses_existing_output(tmp_path, monkeypatch, capsys):
+    from shift_lightning.recipes import cli
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as e:
+        cli.calibrate_main(["--config", "configs/tiny.yaml", "--output_dir", str(tmp_path / "x"), "--print_config",
+                            "--calibration.refit.kept", "2"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "calibration:" in out and "damping:" in out and "trainer:" in out
+    assert "  refit:\n    kept: 2\n" in out  # a number stays a number beside the keyword ``all``
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("precious")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "calibrate.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
-                        "--output_dir", str(tmp_path / "busy")], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert r.returncode != 0 and "--overwrite" in r.stderr
+    with pytest.raises(SystemExit) as e:
+        cli.calibrate_main(["--config", "configs/tiny.yaml", "--output_dir", str(tmp_path / "busy")])
+    assert e.value.code == 2 and "--overwrite" in capsys.readouterr().err
     assert (tmp_path / "busy" / "keep.txt").read_text() == "precious"
 
 

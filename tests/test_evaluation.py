@@ -310,8 +310,16 @@ def _cli(*args, env_extra=None, check=True):
     return r
 
 
-def test_cli_ddp_two_processes_equal_one(tmp_path):
-    _cli("--output_dir", str(tmp_path / "one"))
+def _in_process(monkeypatch, *args):
+    """``evaluate.py`` in this process (what a subprocess adds is only its start-up)."""
+    from shift_lightning.recipes import cli
+
+    monkeypatch.chdir(ROOT)
+    return cli.evaluate_main(["--config", "configs/eval_tiny.yaml", *args])
+
+
+def test_cli_ddp_two_processes_equal_one(tmp_path, monkeypatch, capsys):
+    _in_process(monkeypatch, "--output_dir", str(tmp_path / "one"))
     _cli("--output_dir", str(tmp_path / "two"), "--trainer.devices", "2", "--trainer.strategy", "ddp",
          "--trainer.accelerator", "cpu")
     one = json.loads((tmp_path / "one" / "eval_results.json").read_text())
@@ -328,14 +336,19 @@ def test_cli_ddp_two_processes_equal_one(tmp_path):
     md = (tmp_path / "one" / "eval_results.md").read_text()
     assert "| arc_easy | acc |" in md and "average" in md
     # refuses to overwrite a non-empty output dir; --overwrite allows it
-    r = _cli("--output_dir", str(tmp_path / "one"), "--tasks", "piqa", check=False)
-    assert r.returncode != 0 and "--overwrite" in r.stderr
-    _cli("--output_dir", str(tmp_path / "one"), "--tasks", "piqa", "--limit", "2", "--overwrite", "true", "--ppl", "")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        _in_process(monkeypatch, "--output_dir", str(tmp_path / "one"), "--tasks", "piqa")
+    assert e.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    _in_process(monkeypatch, "--output_dir", str(tmp_path / "one"), "--tasks", "piqa", "--limit", "2", "--overwrite",
+                "true", "--ppl", "")
     again = json.loads((tmp_path / "one" / "eval_results.json").read_text())
     assert list(again["tasks"]) == ["piqa"] and again["tasks"]["piqa"]["n"] == 2
 
 
-def test_cli_unknown_task_fails_early(tmp_path):
-    r = _cli("--output_dir", str(tmp_path / "x"), "--tasks", "arc_easy,hellaswagg", check=False)
-    assert r.returncode != 0 and "Unknown task 'hellaswagg'" in r.stderr and "winogrande" in r.stderr
+def test_cli_unknown_task_fails_early(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        _in_process(monkeypatch, "--output_dir", str(tmp_path / "x"), "--tasks", "arc_easy,hellaswagg")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Unknown task 'hellaswagg'" in err and "winogrande" in err
     assert not (tmp_path / "x").exists()

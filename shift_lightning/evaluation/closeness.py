@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..closeness import TopK, kl_top1, lm_softcap, topk_reference
+from ..closeness import TopK, kl_top1
 from . import scoring as S
 from .tasks import Doc
 
@@ -100,10 +100,6 @@ class ClosenessSums:
         self.kl[item] += kl.sum().to(self.kl.device)
         self.top1[item] += agree.sum().to(self.kl.device)
         self.n[item] += kl.numel()
-
-
-def reference_of(logits: torch.Tensor, k: int, model: nn.Module) -> TopK:
-    return topk_reference(logits, k, lm_softcap(model))
 
 
 def summarize(sums: ClosenessSums, n_boot: int = 1000, seed: int = 0) -> dict:

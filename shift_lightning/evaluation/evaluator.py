@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from ..arch import base_model
-from ..data import check_seq_len
+from ..closeness import topk_reference
 from ..config import EvalConfig  # noqa: F401 (re-exported)
+from ..data import check_seq_len, wants_bos
 from ..errors import ConfigError
 from . import closeness as F
 from . import perplexity as P
@@ -32,12 +33,6 @@ def _bool_opt(v: str) -> bool | None:
     if str(v).lower() in ("false", "0", "no"):
         return False
     raise ConfigError(f"BOS option must be auto, true or false (got {v!r})")
-
-
-def _task_names(tasks: str | list[str] | None) -> list[str]:
-    if not tasks:
-        return []
-    return [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if str(t).strip()]
 
 
 def _ppl_names(ppl: str | list[str] | None) -> list[str]:
@@ -159,7 +154,7 @@ class Evaluator:
         softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
 
         def on_logits(i: int, logits: torch.Tensor, item: int | None = None) -> None:
-            ref = F.topk_reference(logits, self.cfg.kl_topk, softcap) if record else self.reference[(name, i)]
+            ref = topk_reference(logits, self.cfg.kl_topk, softcap) if record else self.reference[(name, i)]
             if record:
                 self.reference[(name, i)] = ref
             self.closeness_sums[name].add(i if item is None else item, logits, ref, softcap)  # the original: KL 0
@@ -276,5 +271,5 @@ def make_evaluator(model: nn.Module, tokenizer, cfg: EvalConfig) -> Evaluator:
     check_tokenizer(tokenizer)
     if _ppl_names(cfg.ppl):
         check_seq_len(model, cfg.ppl_seq_len, "--ppl_seq_len")
-    bos = P.wants_bos(tokenizer, _model_type(model), cfg.ppl_add_bos) if _ppl_names(cfg.ppl) else False
+    bos = wants_bos(tokenizer, _model_type(model), cfg.ppl_add_bos) if _ppl_names(cfg.ppl) else False
     return Evaluator(tokenizer, cfg, _model_type(model), bos)

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..data import DataError, load_texts, wants_bos
+from ..data import DataError, load_texts
 from ..nll import token_nll
 from .scoring import _accepts, _param_device
 
@@ -120,8 +120,3 @@ def window_nll(model: nn.Module, windows: list[Window], batch_size: int = 4,
                 if on_logits is not None:
                     on_logits(i, logits[b, -n - 1:-1])
     return nll, count
-
-
-def model_wants_bos(model: nn.Module, tokenizer, add_bos: str = "auto") -> bool:
-    cfg = getattr(model, "config", None)
-    return wants_bos(tokenizer, getattr(cfg, "model_type", None), add_bos)
