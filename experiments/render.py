@@ -142,6 +142,11 @@ def jobs() -> list[Job]:
                                "--grid.refit_kept", "2", "--train_source", "mixed", "--runs", "[lra_lora_kd]", "--steps",
                                "200", "--grid.calib_source", "mixed", "--grid.out", "results/paper_mixed_refit",
                                "--out", "results/recovery_price/stock_refit2", "--render_only")),
+        *(Job("recovery_table", ("--model", "smollm2-135m", "--criteria", "[angular, reverse_star]", "--repair", repair,
+                                 "--train_source", "mixed", "--runs", "[lra_trained_lora_kd]", "--steps", "200",
+                                 "--grid.calib_source", "mixed", "--grid.out", "results/paper_mixed_refit",
+                                 "--out", f"results/recovery_price/{repair}", "--render_only"))
+          for repair in ("lra_replaceme",)),
         Job("recovery_table", ("--out", "results/recovery_price", "--render_only")),
         # research checks that render from their JSON (the others run a model: NOT_RENDERED)
         Job("checks/kd_plateau"),
