@@ -221,23 +221,30 @@ def test_cli_refuses_typos_abbreviations_and_lists_choices(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_cli_bare_flags_config_names_and_one_line_errors(tmp_path):
-    from shift_lightning.recipes.cli import calibrate_parser, find_config, preprocess_argv
+def test_cli_bare_flags_config_names_and_one_line_errors(tmp_path, capsys):
+    from shift_lightning.recipes.cli import calibrate_main, calibrate_parser, find_config, preprocess_argv
 
     p = calibrate_parser()
     assert preprocess_argv(["--overwrite", "--save_model", "false", "--calibration.merge"], p) == \
         ["--overwrite", "true", "--save_model", "false", "--calibration.merge", "true"]
     assert find_config("tiny.yaml") == str(ROOT / "configs" / "tiny.yaml")
     assert find_config("tiny") == str(ROOT / "configs" / "tiny.yaml")
-    r = _calibrate("--config", "no_such_config.yaml", "--output_dir", str(tmp_path / "o"))
-    assert r.returncode == 2 and r.stderr.startswith("error: Config file 'no_such_config.yaml' not found")
-    assert "Traceback" not in r.stderr
-    r = _calibrate("--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"), "--prune.layers", "[0, 99]",
-                   "--trainer.enable_progress_bar", "false")
-    assert r.returncode == 2 and "Unknown layer index [99]" in r.stderr and "Traceback" not in r.stderr
-    r = _calibrate("--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"), "--prune.layers", "[0, 99]",
-                   "--trainer.enable_progress_bar", "false", "--debug")
-    assert r.returncode != 0 and "Traceback" in r.stderr
+
+    def error(*argv) -> str:  # (in this process: a subprocess adds only its start-up)
+        with pytest.raises(SystemExit) as e:
+            calibrate_main(list(argv))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err, err
+        return err
+
+    assert error("--config", "no_such_config.yaml", "--output_dir", str(tmp_path / "o")).startswith(
+        "error: Config file 'no_such_config.yaml' not found")
+    bad = ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "o"), "--prune.layers", "[0, 99]",
+           "--trainer.enable_progress_bar", "false"]
+    assert "Unknown layer index [99]" in error(*bad)
+    with pytest.raises(Exception, match=r"Unknown layer index \[99\]") as e:  # --debug: the exception itself
+        calibrate_main([*bad, "--debug"])
+    assert not isinstance(e.value, SystemExit)
 
 
 def test_cli_saves_resolved_config_and_shows_only_what_matters(tmp_path):
