@@ -312,8 +312,9 @@ def check_source(src: str, gguf_file: str | None = None) -> None:
         return
     p = Path(src).expanduser()
     if src.endswith(".gguf") or gguf_file:
-        if not (p / (gguf_file or "")).exists():
-            raise ModelLoadError(f"GGUF file not found: {p / (gguf_file or '')}")
+        gguf = p / (gguf_file or "")
+        if not gguf.exists():
+            raise ModelLoadError(f"GGUF file not found: {gguf}")
     elif src.startswith((".", "/", "~")) and not p.exists():
         raise ModelLoadError(f"Model folder not found: {p}")
 
